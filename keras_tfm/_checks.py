@@ -1,0 +1,31 @@
+"""Validation of hyper-parameters and input shapes, shared by every layer."""
+
+
+def check_positive_int(name, value):
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"`{name}` must be a positive integer; received {name}={value!r}.")
+    return value
+
+
+def check_dropout(name, value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
+        raise ValueError(f"`{name}` must be a float in [0, 1); received {name}={value!r}.")
+    return float(value)
+
+
+def check_rank(layer, name, shape, rank):
+    """Raise a ValueError naming the layer and argument when `shape` is not of rank `rank`."""
+    if shape is None or len(shape) != rank:
+        raise ValueError(
+            f"{layer.name}: `{name}` must have rank {rank} (batch, length, features); received "
+            f"shape {None if shape is None else tuple(shape)}."
+        )
+
+
+def check_same_batch(layer, first_name, first_shape, second_name, second_shape):
+    a, b = first_shape[0], second_shape[0]
+    if a is not None and b is not None and a != b:
+        raise ValueError(
+            f"{layer.name}: `{first_name}` and `{second_name}` must have the same batch size; "
+            f"received {tuple(first_shape)} and {tuple(second_shape)}."
+        )

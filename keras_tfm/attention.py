@@ -1,0 +1,311 @@
+"""Scaled dot-product attention and the two multi-head attention layers of the transformer.
+
+Seed 000 ("Self-Attention", "Multi-Head Attention") and seed 003: per head,
+`softmax(Q Kᵀ / √d_k) V`; heads are concatenated and projected by `W_O`.
+"""
+
+import math
+
+import keras
+from keras import ops
+
+from keras_tfm import masks as masks_lib
+from keras_tfm._checks import check_dropout, check_positive_int, check_rank, check_same_batch
+
+_SERIALIZABLE = keras.saving.register_keras_serializable(package="keras_tfm")
+
+
+def scaled_dot_product_attention(
+    query,
+    key,
+    value,
+    mask=None,
+    dropout=None,
+    training=None,
+    return_weights=False,
+    fused=None,
+):
+    """`softmax(Q Kᵀ / √d_k) V` for every head, with masking and attention dropout.
+
+    Two paths give the same numbers: the fused path (`keras.ops.dot_product_attention`, used
+    when no weights are requested and no attention dropout is active) and the explicit path
+    (scores, float32 softmax, dropout, weighted sum). A query row whose mask allows no key gives
+    zeros (and zero weights) on both paths, never NaN nor a uniform average.
+
+    Args:
+        query: `(B, T, H, d_k)`.
+        key: `(B, S, H, d_k)`.
+        value: `(B, S, H, d_v)`.
+        mask: optional bool tensor broadcasting to `(B, T, S)`; True where attention is allowed.
+        dropout: optional callable `dropout(weights, training=...)` applied to the weights.
+        training: Python bool, whether dropout is active.
+        return_weights: also return the attention weights `(B, H, T, S)`.
+        fused: None picks the fused path when possible; False forces the explicit path.
+
+    Returns:
+        The attention output `(B, T, H, d_v)`, and the weights when `return_weights`.
+    """
+    scale = 1.0 / math.sqrt(query.shape[-1])
+    row_has_key = None
+    if mask is not None:
+        mask = ops.cast(mask, "bool")
+        row_has_key = ops.any(mask, axis=-1)  # (B, T)
+        # A row with no allowed key attends everywhere (finite on every backend and every
+        # path, gradients included); its output is zeroed below.
+        mask = ops.logical_or(mask, ops.logical_not(row_has_key)[..., None])
+        mask = mask[:, None]  # (B, 1, T, S): broadcast over heads
+    dropout_active = dropout is not None and bool(training) and getattr(dropout, "rate", 1.0) > 0
+    use_fused = fused is not False and not return_weights and not dropout_active
+    weights = None
+    if use_fused:
+        output = ops.dot_product_attention(query, key, value, mask=mask, scale=scale)
+    else:
+        scores = ops.einsum("bthd,bshd->bhts", query, key)
+        scores = ops.cast(scores, "float32") * scale
+        if mask is not None:
+            scores = masks_lib.apply_to_scores(scores, mask)
+        weights = ops.softmax(scores, axis=-1)
+        if row_has_key is not None:
+            weights = ops.where(row_has_key[:, None, :, None], weights, 0.0)
+        weights = ops.cast(weights, value.dtype)
+        attended = dropout(weights, training=training) if dropout_active else weights
+        output = ops.einsum("bhts,bshd->bthd", attended, value)
+    if row_has_key is not None:
+        output = ops.where(row_has_key[:, :, None, None], output, ops.zeros_like(output))
+    if return_weights:
+        return output, weights
+    return output
+
+
+class _MultiHeadAttentionBase(keras.layers.Layer):
+    """Projections, attention and output projection shared by both attention layers."""
+
+    def __init__(
+        self,
+        num_heads,
+        key_dim=None,
+        value_dim=None,
+        dropout=0.0,
+        use_bias=True,
+        kernel_initializer="glorot_uniform",
+        bias_initializer="zeros",
+        kernel_regularizer=None,
+        bias_regularizer=None,
+        kernel_constraint=None,
+        bias_constraint=None,
+        **kwargs,
+    ):
+        super().__init__(**kwargs)
+        self.num_heads = check_positive_int("num_heads", num_heads)
+        self.key_dim = None if key_dim is None else check_positive_int("key_dim", key_dim)
+        self.value_dim = None if value_dim is None else check_positive_int("value_dim", value_dim)
+        self.dropout = check_dropout("dropout", dropout)
+        self.use_bias = use_bias
+        self.kernel_initializer = keras.initializers.get(kernel_initializer)
+        self.bias_initializer = keras.initializers.get(bias_initializer)
+        self.kernel_regularizer = keras.regularizers.get(kernel_regularizer)
+        self.bias_regularizer = keras.regularizers.get(bias_regularizer)
+        self.kernel_constraint = keras.constraints.get(kernel_constraint)
+        self.bias_constraint = keras.constraints.get(bias_constraint)
+        self.supports_masking = True
+
+    def _dense(self, name, equation, output_shape, bias_axes):
+        return keras.layers.EinsumDense(
+            equation,
+            output_shape=output_shape,
+            bias_axes=bias_axes if self.use_bias else None,
+            # Fresh initializer objects per sublayer: a shared seeded instance would give the
+            # query, key and value kernels the same values.
+            kernel_initializer=self.kernel_initializer.__class__.from_config(
+                self.kernel_initializer.get_config()),
+            bias_initializer=self.bias_initializer.__class__.from_config(
+                self.bias_initializer.get_config()),
+            kernel_regularizer=self.kernel_regularizer,
+            bias_regularizer=self.bias_regularizer,
+            kernel_constraint=self.kernel_constraint,
+            bias_constraint=self.bias_constraint,
+            dtype=self.dtype_policy,
+            name=name,
+        )
+
+    def _build_projections(self, query_shape, context_shape):
+        d_model = query_shape[-1]
+        if d_model is None:
+            raise ValueError(f"{self.name}: the last (model) dimension must be known.")
+        if self.key_dim is None and d_model % self.num_heads:
+            raise ValueError(
+                f"{self.name}: d_model={d_model} is not divisible by num_heads={self.num_heads}; "
+                "pass key_dim explicitly or choose num_heads dividing d_model."
+            )
+        self._d_model = d_model
+        self._key_dim = self.key_dim or d_model // self.num_heads
+        self._value_dim = self.value_dim or self._key_dim
+        heads = self.num_heads
+        self.query_dense = self._dense("query", "btd,dhk->bthk", (None, heads, self._key_dim), "hk")
+        self.key_dense = self._dense("key", "bsd,dhk->bshk", (None, heads, self._key_dim), "hk")
+        self.value_dense = self._dense("value", "bsd,dhk->bshk", (None, heads, self._value_dim),
+                                       "hk")
+        self.output_dense = self._dense("attention_output", "bthk,hkd->btd", (None, d_model), "d")
+        self.query_dense.build(query_shape)
+        self.key_dense.build(context_shape)
+        self.value_dense.build(context_shape)
+        self.output_dense.build((query_shape[0], query_shape[1], heads, self._value_dim))
+        self.dropout_layer = keras.layers.Dropout(self.dropout, dtype=self.dtype_policy,
+                                                  name="attention_dropout")
+
+    def _attend(self, query, context, mask, training, return_attention_scores):
+        q = self.query_dense(query)
+        k = self.key_dense(context)
+        v = self.value_dense(context)
+        result = scaled_dot_product_attention(
+            q, k, v, mask=mask, dropout=self.dropout_layer, training=training,
+            return_weights=return_attention_scores,
+        )
+        if return_attention_scores:
+            attended, scores = result
+            return self.output_dense(attended), scores
+        return self.output_dense(result)
+
+    def _output_spec(self, query, context, return_attention_scores):
+        out = keras.KerasTensor(query.shape[:-1] + (self._d_model,), dtype=self.compute_dtype)
+        if not return_attention_scores:
+            return out
+        scores_shape = (query.shape[0], self.num_heads, query.shape[1], context.shape[1])
+        return out, keras.KerasTensor(scores_shape, dtype=self.compute_dtype)
+
+    def compute_output_shape(self, input_shape, *args, **kwargs):
+        return tuple(input_shape[:-1]) + (self._d_model,)
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(
+            num_heads=self.num_heads,
+            key_dim=self.key_dim,
+            value_dim=self.value_dim,
+            dropout=self.dropout,
+            use_bias=self.use_bias,
+            kernel_initializer=keras.initializers.serialize(self.kernel_initializer),
+            bias_initializer=keras.initializers.serialize(self.bias_initializer),
+            kernel_regularizer=keras.regularizers.serialize(self.kernel_regularizer),
+            bias_regularizer=keras.regularizers.serialize(self.bias_regularizer),
+            kernel_constraint=keras.constraints.serialize(self.kernel_constraint),
+            bias_constraint=keras.constraints.serialize(self.bias_constraint),
+        )
+        return config
+
+
+@_SERIALIZABLE
+class MultiHeadSelfAttention(_MultiHeadAttentionBase):
+    """Multi-head self-attention: queries, keys and values all come from `inputs`.
+
+    Each of the `num_heads` heads projects the input to queries and keys of size `key_dim` and
+    values of size `value_dim`, computes `softmax(Q Kᵀ / √key_dim) V`, and the concatenated heads
+    are projected back to the input width `d_model` by `W_O`.
+
+    Args:
+        num_heads: number of heads (≥ 1).
+        key_dim: size of each head's queries and keys; defaults to `d_model // num_heads`
+            (then `d_model` must be divisible by `num_heads`).
+        value_dim: size of each head's values; defaults to `key_dim`.
+        dropout: dropout rate on the attention weights, in [0, 1).
+        use_bias: whether the projections have biases.
+        causal: if True, position i attends only to positions ≤ i.
+        kernel_initializer, bias_initializer, kernel_regularizer, bias_regularizer,
+            kernel_constraint, bias_constraint: for the four projections.
+        **kwargs: base `Layer` arguments (`name`, `dtype`, ...).
+
+    Call arguments:
+        inputs: `(B, T, d_model)`. Its Keras mask (e.g. from `Embedding(mask_zero=True)`) is the
+            padding mask of the keys, and is propagated to the output.
+        attention_mask: optional bool `(B, T, T)` or `(T, T)`, True where attention is allowed;
+            combined (AND) with the padding and causal masks.
+        training: whether attention dropout is active.
+        return_attention_scores: also return the attention weights `(B, H, T, T)`.
+        mask: the Keras padding mask `(B, T)` of `inputs`; filled in by Keras.
+
+    Returns:
+        `(B, T, d_model)`, or `(output, scores)` when `return_attention_scores`.
+
+    Example:
+
+    >>> x = keras.random.normal((2, 5, 16))
+    >>> MultiHeadSelfAttention(num_heads=4, causal=True)(x).shape
+    (2, 5, 16)
+    """
+
+    def __init__(self, num_heads, key_dim=None, value_dim=None, dropout=0.0, use_bias=True,
+                 causal=False, kernel_initializer="glorot_uniform", **kwargs):
+        super().__init__(num_heads, key_dim=key_dim, value_dim=value_dim, dropout=dropout,
+                         use_bias=use_bias, kernel_initializer=kernel_initializer, **kwargs)
+        self.causal = bool(causal)
+
+    def build(self, input_shape):
+        check_rank(self, "inputs", input_shape, 3)
+        self._build_projections(input_shape, input_shape)
+
+    def call(self, inputs, attention_mask=None, training=None, return_attention_scores=False,
+             mask=None):
+        check_rank(self, "inputs", inputs.shape, 3)
+        if mask is None:
+            mask = masks_lib.keras_mask(inputs)
+        merged = masks_lib.merge_masks(inputs, inputs, key_padding_mask=mask,
+                                       attention_mask=attention_mask, causal=self.causal)
+        return self._attend(inputs, inputs, merged, training, return_attention_scores)
+
+    def compute_output_spec(self, inputs, attention_mask=None, training=None,
+                            return_attention_scores=False, mask=None):
+        return self._output_spec(inputs, inputs, return_attention_scores)
+
+    def get_config(self):
+        return super().get_config() | {"causal": self.causal}
+
+
+@_SERIALIZABLE
+class CrossAttention(_MultiHeadAttentionBase):
+    """Multi-head cross-attention: queries from `query`, keys and values from `context`.
+
+    In the transformer's decoder the queries come from the decoder and the keys and values from
+    the encoder output ("encoder-decoder attention", seed 003). `query` has length T, `context`
+    length S; they may differ, and so may their widths. The output has the width of `query`.
+
+    Args:
+        num_heads, key_dim, value_dim, dropout, use_bias, kernel_initializer, ...: as in
+            `MultiHeadSelfAttention` (`d_model` is the width of `query`).
+
+    Call arguments:
+        query: `(B, T, d_model)`. Its Keras mask is propagated to the output.
+        context: `(B, S, d_context)`. Its Keras mask is the padding mask of the keys.
+        attention_mask: optional bool `(B, T, S)` or `(T, S)`, True where attention is allowed.
+        training: whether attention dropout is active.
+        return_attention_scores: also return the attention weights `(B, H, T, S)`.
+        query_mask, context_mask: Keras masks `(B, T)`, `(B, S)`; filled in by Keras.
+
+    Returns:
+        `(B, T, d_model)`, or `(output, scores)` when `return_attention_scores`.
+
+    Example:
+
+    >>> q, c = keras.random.normal((2, 3, 16)), keras.random.normal((2, 7, 16))
+    >>> out, scores = CrossAttention(num_heads=4)(q, c, return_attention_scores=True)
+    >>> out.shape, scores.shape
+    ((2, 3, 16), (2, 4, 3, 7))
+    """
+
+    def build(self, query_shape, context_shape):
+        check_rank(self, "query", query_shape, 3)
+        check_rank(self, "context", context_shape, 3)
+        check_same_batch(self, "query", query_shape, "context", context_shape)
+        self._build_projections(query_shape, context_shape)
+
+    def call(self, query, context, attention_mask=None, training=None,
+             return_attention_scores=False, query_mask=None, context_mask=None):
+        check_rank(self, "query", query.shape, 3)
+        check_rank(self, "context", context.shape, 3)
+        check_same_batch(self, "query", query.shape, "context", context.shape)
+        merged = masks_lib.merge_masks(query, context, key_padding_mask=context_mask,
+                                       attention_mask=attention_mask)
+        return self._attend(query, context, merged, training, return_attention_scores)
+
+    def compute_output_spec(self, query, context, attention_mask=None, training=None,
+                            return_attention_scores=False, query_mask=None, context_mask=None):
+        return self._output_spec(query, context, return_attention_scores)

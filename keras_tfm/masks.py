@@ -1,0 +1,172 @@
+"""Every mask rule of keras_tfm, in one place.
+
+Convention: a mask is boolean and **True means "may attend" / "is a real token"** — the
+convention of Keras (`Embedding(mask_zero=True)`), JAX and `scaled_dot_product_attention`.
+
+The seeds draw the masks the other way round:
+
+* the PAD mask is 1 (True) at padding positions: convert it with `from_pad_indicator`, or
+  build ours directly from token ids with `padding_mask`;
+* the causal ("upper triangular") mask is additive, 0 on and below the diagonal and -inf above:
+  ours is `causal_mask(T)`, True exactly where the seed's mask is 0.
+
+Seed masks are combined by union of the *blocked* positions; ours by AND of the *allowed*
+positions (`merge_masks`), which is the same rule.
+
+A query row in which no key is allowed (a fully padded sequence, or padding and causality
+leaving nothing) gives zeros in the attention output; see `keras_tfm.attention`.
+"""
+
+import keras
+from keras import ops
+
+# Fill value for disallowed scores before the softmax. Finite and representable in float16
+# (a fill of -1e9 overflows to -inf in float16, and a row of -inf gives NaN).
+MASK_FILL_VALUE = -65504.0
+
+
+def padding_mask(token_ids, pad_id=0):
+    """Boolean padding mask of token ids: True for real tokens.
+
+    Args:
+        token_ids: int tensor of shape `(batch, length)`.
+        pad_id: the id of the padding token.
+
+    Returns:
+        bool tensor of shape `(batch, length)`.
+
+    Example:
+
+    >>> padding_mask(np.array([[5, 7, 0, 0]]))  # doctest: +SKIP
+    [[True, True, False, False]]
+    """
+    return ops.not_equal(token_ids, pad_id)
+
+
+def from_pad_indicator(pad_indicator):
+    """Convert the seeds' PAD mask (1 = padding) to keras_tfm's (True = real token)."""
+    return ops.logical_not(ops.cast(pad_indicator, "bool"))
+
+
+def causal_mask(query_length, key_length=None, offset=None):
+    """Boolean causal mask of shape `(query_length, key_length)`; True where attention is allowed.
+
+    Query `i` sees keys `0 … offset + i`. By default `offset = key_length - query_length`, so the
+    mask is bottom-right aligned: lower-triangular when the lengths are equal, and in cached
+    decoding (a query shorter than the keys) the last query sees every key.
+
+    Args:
+        query_length: int (or scalar int tensor), T.
+        key_length: int (or scalar int tensor), S. Defaults to `query_length`.
+        offset: position of the first query among the keys (int or scalar int tensor), e.g. the
+            cache index during cached decoding. Defaults to `key_length - query_length`.
+
+    Returns:
+        bool tensor of shape `(T, S)`.
+    """
+    if key_length is None:
+        key_length = query_length
+    if isinstance(query_length, int) and isinstance(key_length, int):
+        if query_length < 1 or key_length < 1:
+            raise ValueError(
+                "causal_mask needs positive lengths; received "
+                f"query_length={query_length}, key_length={key_length}."
+            )
+        if offset is None and query_length > key_length:
+            raise ValueError(
+                "A bottom-right aligned causal mask needs query_length <= key_length; received "
+                f"query_length={query_length}, key_length={key_length}. Pass `offset` explicitly."
+            )
+    if offset is None:
+        offset = key_length - query_length
+    query_positions = ops.arange(query_length, dtype="int32") + ops.cast(offset, "int32")
+    key_positions = ops.arange(key_length, dtype="int32")
+    return ops.greater_equal(query_positions[:, None], key_positions[None, :])
+
+
+def _static_shape(x):
+    return tuple(None if d is None else int(d) for d in x.shape)
+
+
+def _check_broadcast(name, shape, expected):
+    """Check that `shape` broadcasts to `expected` (None = unknown, skipped)."""
+    if len(shape) != len(expected):
+        raise ValueError(
+            f"`{name}` must have rank {len(expected)}, i.e. shape {_fmt(expected)}; "
+            f"received shape {_fmt(shape)}."
+        )
+    for got, want in zip(shape, expected):
+        if got is None or want is None or got == 1 or got == want:
+            continue
+        raise ValueError(
+            f"`{name}` of shape {_fmt(shape)} does not broadcast to the attention shape "
+            f"{_fmt(expected)} (batch, query length, key length)."
+        )
+
+
+def _fmt(shape):
+    return "(" + ", ".join("?" if d is None else str(d) for d in shape) + ")"
+
+
+def merge_masks(
+    query,
+    key,
+    key_padding_mask=None,
+    attention_mask=None,
+    causal=False,
+    causal_offset=None,
+):
+    """AND together the padding, causal and explicit masks of one attention call.
+
+    Args:
+        query: the queries, any tensor of shape `(B, T, ...)`; only its shape is used.
+        key: the keys, any tensor of shape `(B, S, ...)`; only its shape is used.
+        key_padding_mask: bool `(B, S)`, True for real key tokens (e.g. a Keras mask).
+        attention_mask: bool (or 0/1) `(B, T, S)` or `(T, S)`, or anything broadcasting to
+            `(B, T, S)`; True where attention is allowed.
+        causal: whether to apply `causal_mask(T, S, causal_offset)`.
+        causal_offset: see `causal_mask`.
+
+    Returns:
+        None when there is nothing to mask, else a bool tensor of rank 3 that broadcasts to
+        `(B, T, S)`.
+
+    Raises:
+        ValueError: when a mask does not broadcast to `(B, T, S)`.
+    """
+    batch_size, query_length = _static_shape(query)[:2]
+    key_length = _static_shape(key)[1]
+    merged = None
+    if key_padding_mask is not None:
+        _check_broadcast("key padding mask", _static_shape(key_padding_mask),
+                         (batch_size, key_length))
+        merged = ops.cast(key_padding_mask, "bool")[:, None, :]
+    if attention_mask is not None:
+        shape = _static_shape(attention_mask)
+        if len(shape) == 2:
+            attention_mask = attention_mask[None]
+            shape = (1,) + shape
+        _check_broadcast("attention_mask", shape, (batch_size, query_length, key_length))
+        attention_mask = ops.cast(attention_mask, "bool")
+        merged = attention_mask if merged is None else ops.logical_and(merged, attention_mask)
+    if causal:
+        mask = causal_mask(ops.shape(query)[1], ops.shape(key)[1], causal_offset)[None]
+        merged = mask if merged is None else ops.logical_and(merged, mask)
+    return merged
+
+
+def apply_to_scores(scores, mask):
+    """Set disallowed attention scores to `MASK_FILL_VALUE` (mask broadcasts to scores)."""
+    return ops.where(mask, scores, ops.cast(MASK_FILL_VALUE, scores.dtype))
+
+
+def keras_mask(x):
+    """The Keras mask attached to `x` (set by `Embedding(mask_zero=True)` and propagated), or None.
+
+    Keras fills a layer's `mask` argument only when `call` gets a single tensor; a layer that
+    also receives an `attention_mask` tensor reads the mask from its input here. Keras keeps no
+    public accessor for it, hence the private import in this one place.
+    """
+    from keras.src.backend import get_keras_mask
+
+    return get_keras_mask(x)
