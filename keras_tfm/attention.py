@@ -28,7 +28,8 @@ def scaled_dot_product_attention(
     """`softmax(Q Kᵀ / √d_k) V` for every head, with masking and attention dropout.
 
     Two paths give the same numbers: the fused path (`keras.ops.dot_product_attention`, used
-    when no weights are requested and no attention dropout is active) and the explicit path
+    when no weights are requested, no attention dropout is active and `d_v == d_k`) and the
+    explicit path
     (scores, float32 softmax, dropout, weighted sum). A query row whose mask allows no key gives
     zeros (and zero weights) on both paths, never NaN nor a uniform average.
 
@@ -55,7 +56,9 @@ def scaled_dot_product_attention(
         mask = ops.logical_or(mask, ops.logical_not(row_has_key)[..., None])
         mask = mask[:, None]  # (B, 1, T, S): broadcast over heads
     dropout_active = dropout is not None and bool(training) and getattr(dropout, "rate", 1.0) > 0
-    use_fused = fused is not False and not return_weights and not dropout_active
+    # keras.ops.dot_product_attention needs values as wide as the keys (d_v == d_k).
+    use_fused = (fused is not False and not return_weights and not dropout_active
+                 and value.shape[-1] == query.shape[-1])
     weights = None
     if use_fused:
         output = ops.dot_product_attention(query, key, value, mask=mask, scale=scale)
@@ -110,7 +113,7 @@ class _MultiHeadAttentionBase(keras.layers.Layer):
         self.supports_masking = True
 
     def _dense(self, name, equation, output_shape, bias_axes):
-        return keras.layers.EinsumDense(
+        dense = keras.layers.EinsumDense(
             equation,
             output_shape=output_shape,
             bias_axes=bias_axes if self.use_bias else None,
@@ -127,6 +130,10 @@ class _MultiHeadAttentionBase(keras.layers.Layer):
             dtype=self.dtype_policy,
             name=name,
         )
+        # Projections are position-wise: the Keras mask of their input may pass through (this
+        # also keeps Keras from warning that the mask is dropped).
+        dense.supports_masking = True
+        return dense
 
     def _build_projections(self, query_shape, context_shape):
         d_model = query_shape[-1]

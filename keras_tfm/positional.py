@@ -137,7 +137,7 @@ class PositionEmbedding(keras.layers.Layer):
                 f"length {length} with start_index={start_index}."
             )
         length = ops.shape(inputs)[1]
-        table = ops.slice(self.position_embeddings, (start_index, 0),
+        table = ops.slice(ops.convert_to_tensor(self.position_embeddings), (start_index, 0),
                           (length, inputs.shape[-1]))
         return inputs + ops.cast(table, inputs.dtype)[None]
 

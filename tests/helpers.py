@@ -1,0 +1,128 @@
+"""Helpers shared by the tests: conversion to NumPy, references and a Keras layer test."""
+
+import keras
+import numpy as np
+from keras import ops
+
+BACKEND = keras.backend.backend()
+
+
+def to_np(x):
+    return np.asarray(ops.convert_to_numpy(x))
+
+
+def np_softmax(x, axis=-1):
+    x = x - x.max(axis=axis, keepdims=True)
+    e = np.exp(x)
+    return e / e.sum(axis=axis, keepdims=True)
+
+
+def np_attention(q, k, v, mask=None):
+    """NumPy softmax(QKᵀ/√d_k)V on (B, T, H, d) arrays; mask (B, T, S), True = allowed.
+
+    Returns (output (B, T, H, d_v), weights (B, H, T, S)). Rows with no allowed key give zeros
+    (the package's documented convention)."""
+    scores = np.einsum("bthd,bshd->bhts", q, k) / np.sqrt(q.shape[-1])
+    m = np.ones(scores.shape, bool) if mask is None else np.broadcast_to(mask[:, None], scores.shape)
+    has_key = m.any(-1, keepdims=True)
+    weights = np_softmax(np.where(m, scores, -1e30)) * m
+    weights = np.where(has_key, weights, 0.0)
+    return np.einsum("bhts,bshd->bthd", weights, v), weights
+
+
+def np_dense(x, dense):
+    """Apply an EinsumDense sublayer with NumPy, from its own weights."""
+    kernel = to_np(dense.kernel)
+    out = np.einsum(dense.equation, x, kernel)
+    if dense.bias is not None:
+        out = out + to_np(dense.bias)
+    return out
+
+
+def np_mha(layer, query, context, mask=None):
+    """NumPy reference of a keras_tfm attention layer, built from the layer's own weights."""
+    q = np_dense(query, layer.query_dense)
+    k = np_dense(context, layer.key_dense)
+    v = np_dense(context, layer.value_dense)
+    attended, _ = np_attention(q, k, v, mask)
+    return np_dense(attended, layer.output_dense)
+
+
+def jit_options():
+    """jit_compile for `fit`: on for JAX and TensorFlow (torch.compile is not exercised)."""
+    return {"jit_compile": BACKEND in ("jax", "tensorflow")}
+
+
+def assert_config_round_trip(layer):
+    config = layer.get_config()
+    clone = layer.__class__.from_config(config)
+    assert clone.get_config() == config
+    # Serialization through the registered name, as a .keras file does it.
+    restored = keras.saving.deserialize_keras_object(keras.saving.serialize_keras_object(layer))
+    assert type(restored) is type(layer)
+    assert restored.get_config() == config
+    return clone
+
+
+def run_layer_test(make_layer, call, arrays, *, expected_shape, fit=True):
+    """A layer test in the spirit of Keras' `run_layer_test`.
+
+    `make_layer()` builds a fresh layer, `call(layer, *tensors)` calls it and returns its main
+    output; `arrays` are NumPy inputs with a leading batch axis. Checks: config round trip,
+    eager output shape, symbolic shape equal to the eager one, one `fit` step (jit-compiled on
+    JAX and TensorFlow) that changes the weights. Mixed precision: `run_mixed_precision_test`.
+    """
+    layer = make_layer()
+    eager = call(layer, *arrays)
+    assert tuple(eager.shape) == tuple(expected_shape)
+    assert_config_round_trip(layer)
+
+    symbolic_inputs = [keras.Input(a.shape[1:], dtype=str(a.dtype)) for a in arrays]
+    fresh = make_layer()
+    symbolic = call(fresh, *symbolic_inputs)
+    assert tuple(symbolic.shape) == (None,) + tuple(expected_shape[1:])
+    assert tuple(fresh.compute_output_shape(*[(None,) + a.shape[1:] for a in arrays])) == (
+        (None,) + tuple(expected_shape[1:]))
+
+    if fit:
+        model = keras.Model(symbolic_inputs, symbolic)
+        model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse", **jit_options())
+        before = [to_np(w).copy() for w in fresh.trainable_weights]
+        assert before, "the layer has no trainable weights to fit"
+        target = np.random.default_rng(0).normal(size=expected_shape).astype("float32")
+        history = model.fit(list(arrays), target, batch_size=len(arrays[0]), epochs=1, verbose=0)
+        assert np.isfinite(history.history["loss"][0])
+        after = [to_np(w) for w in fresh.trainable_weights]
+        assert any(not np.allclose(a, b) for a, b in zip(before, after))
+
+
+
+def run_mixed_precision_test(make_layer, call, arrays, policy):
+    """Under `policy`, eager and jit-compiled outputs are finite and in the compute dtype, and
+    the weights stay float32.
+
+    The jit-compiled half is skipped for JAX with float16 on the CPU only: XLA there has no
+    float16 matmul under jit (dot_general F16_F16_F32 is unsupported)."""
+    import pytest
+
+    compute_dtype = policy.split("_")[1]
+    keras.config.set_dtype_policy(policy)
+    try:
+        layer = make_layer()
+        out = call(layer, *arrays)
+        assert keras.backend.standardize_dtype(out.dtype) == compute_dtype
+        assert np.isfinite(to_np(ops.cast(out, "float32"))).all()
+        assert all(keras.backend.standardize_dtype(w.dtype) == "float32" for w in layer.weights)
+        if BACKEND == "jax" and compute_dtype == "float16":
+            import jax
+
+            if jax.default_backend() == "cpu":
+                pytest.skip("eager float16 checked; under jit, XLA on JAX's CPU has no float16 "
+                            "matmul (dot_general F16_F16_F32 unsupported)")
+        inputs = [keras.Input(a.shape[1:], dtype=str(a.dtype)) for a in arrays]
+        model = keras.Model(inputs, call(make_layer(), *inputs))
+        model.compile(jit_compile=BACKEND != "torch")
+        jitted = model.predict(list(arrays), verbose=0)
+        assert np.isfinite(np.asarray(jitted, "float32")).all()
+    finally:
+        keras.config.set_dtype_policy("float32")
