@@ -1,4 +1,13 @@
-"""Validation of hyper-parameters and input shapes, shared by every layer."""
+"""Validation of hyper-parameters and input shapes, and other small helpers shared by every layer."""
+
+import keras
+
+
+def clone_initializer(initializer):
+    """A fresh copy of a Keras initializer: a shared seeded instance would give every sublayer
+    (query, key, value, ...) the same values."""
+    initializer = keras.initializers.get(initializer)
+    return initializer.__class__.from_config(initializer.get_config())
 
 
 def check_positive_int(name, value):

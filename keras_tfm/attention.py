@@ -10,6 +10,7 @@ import keras
 from keras import ops
 
 from keras_tfm import masks as masks_lib
+from keras_tfm._checks import clone_initializer
 from keras_tfm._checks import check_dropout, check_positive_int, check_rank, check_same_batch
 
 _SERIALIZABLE = keras.saving.register_keras_serializable(package="keras_tfm")
@@ -117,12 +118,8 @@ class _MultiHeadAttentionBase(keras.layers.Layer):
             equation,
             output_shape=output_shape,
             bias_axes=bias_axes if self.use_bias else None,
-            # Fresh initializer objects per sublayer: a shared seeded instance would give the
-            # query, key and value kernels the same values.
-            kernel_initializer=self.kernel_initializer.__class__.from_config(
-                self.kernel_initializer.get_config()),
-            bias_initializer=self.bias_initializer.__class__.from_config(
-                self.bias_initializer.get_config()),
+            kernel_initializer=clone_initializer(self.kernel_initializer),
+            bias_initializer=clone_initializer(self.bias_initializer),
             kernel_regularizer=self.kernel_regularizer,
             bias_regularizer=self.bias_regularizer,
             kernel_constraint=self.kernel_constraint,

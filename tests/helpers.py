@@ -126,3 +126,63 @@ def run_mixed_precision_test(make_layer, call, arrays, policy):
         assert np.isfinite(np.asarray(jitted, "float32")).all()
     finally:
         keras.config.set_dtype_policy("float32")
+
+
+# --- torch.nn oracles carrying a keras_tfm layer's weights (float64) ---------------------------
+
+def _t(array):
+    import torch
+
+    return torch.from_numpy(np.asarray(array, "float64"))
+
+
+def copy_attention_to_torch(layer, mha):
+    """Copy a keras_tfm attention layer into a torch.nn.MultiheadAttention (d_k = d_model / H)."""
+    import torch
+
+    d_model = mha.embed_dim
+    kernels = [to_np(d.kernel).reshape(d_model, d_model).T
+               for d in (layer.query_dense, layer.key_dense, layer.value_dense)]
+    biases = [to_np(d.bias).reshape(d_model)
+              for d in (layer.query_dense, layer.key_dense, layer.value_dense)]
+    with torch.no_grad():
+        mha.in_proj_weight.copy_(_t(np.concatenate(kernels, 0)))
+        mha.in_proj_bias.copy_(_t(np.concatenate(biases, 0)))
+        mha.out_proj.weight.copy_(_t(to_np(layer.output_dense.kernel).reshape(d_model, d_model).T))
+        mha.out_proj.bias.copy_(_t(to_np(layer.output_dense.bias)))
+
+
+def copy_dense_to_torch(dense, linear):
+    import torch
+
+    with torch.no_grad():
+        linear.weight.copy_(_t(to_np(dense.kernel).T))
+        linear.bias.copy_(_t(to_np(dense.bias)))
+
+
+def copy_norm_to_torch(norm, torch_norm):
+    import torch
+
+    with torch.no_grad():
+        torch_norm.weight.copy_(_t(to_np(norm.gamma)))
+        torch_norm.bias.copy_(_t(to_np(norm.beta)))
+
+
+def torch_block_from(block, d_model, decoder=False):
+    """torch.nn.TransformerEncoderLayer / TransformerDecoderLayer with a keras_tfm block's weights."""
+    import torch
+
+    cls = torch.nn.TransformerDecoderLayer if decoder else torch.nn.TransformerEncoderLayer
+    ref = cls(d_model, block.num_heads, dim_feedforward=block.ff_dim, dropout=0.0,
+              batch_first=True, norm_first=block.norm_first, dtype=torch.float64)
+    copy_attention_to_torch(block.self_attention, ref.self_attn)
+    copy_dense_to_torch(block.feed_forward.intermediate_dense, ref.linear1)
+    copy_dense_to_torch(block.feed_forward.output_dense, ref.linear2)
+    copy_norm_to_torch(block.self_attention_norm, ref.norm1)
+    if decoder:
+        copy_attention_to_torch(block.cross_attention, ref.multihead_attn)
+        copy_norm_to_torch(block.cross_attention_norm, ref.norm2)
+        copy_norm_to_torch(block.feed_forward_norm, ref.norm3)
+    else:
+        copy_norm_to_torch(block.feed_forward_norm, ref.norm2)
+    return ref.eval()

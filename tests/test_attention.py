@@ -6,7 +6,7 @@ import pytest
 import torch
 from keras import ops
 
-from helpers import np_attention, np_mha, run_layer_test, run_mixed_precision_test, to_np
+from helpers import copy_attention_to_torch, np_attention, np_mha, run_layer_test, run_mixed_precision_test, to_np
 from keras_tfm import CrossAttention, MultiHeadSelfAttention, scaled_dot_product_attention
 from keras_tfm.masks import keras_mask
 
@@ -89,22 +89,6 @@ def test_key_dim_and_value_dim():
     assert tuple(default.key_dense.kernel.shape) == (8, 4, 2)
 
 
-def _torch_mha_from(layer, d_model, num_heads):
-    """torch.nn.MultiheadAttention carrying the weights of a keras_tfm attention layer."""
-    mha = torch.nn.MultiheadAttention(d_model, num_heads, batch_first=True, dtype=torch.float64)
-    w = [to_np(getattr(layer, n).kernel).reshape(d_model, d_model).T.astype("float64")
-         for n in ("query_dense", "key_dense", "value_dense")]
-    b = [to_np(getattr(layer, n).bias).reshape(d_model).astype("float64")
-         for n in ("query_dense", "key_dense", "value_dense")]
-    with torch.no_grad():
-        mha.in_proj_weight.copy_(torch.from_numpy(np.concatenate(w, 0)))
-        mha.in_proj_bias.copy_(torch.from_numpy(np.concatenate(b, 0)))
-        mha.out_proj.weight.copy_(torch.from_numpy(
-            to_np(layer.output_dense.kernel).reshape(d_model, d_model).T.astype("float64")))
-        mha.out_proj.bias.copy_(torch.from_numpy(to_np(layer.output_dense.bias).astype("float64")))
-    return mha
-
-
 @pytest.mark.parametrize("causal", [False, True])
 def test_self_attention_equals_torch_multihead_attention(causal):
     d_model, heads, length = 16, 4, 6
@@ -112,7 +96,8 @@ def test_self_attention_equals_torch_multihead_attention(causal):
     pad = padding([6, 4, 1], length)
     layer = MultiHeadSelfAttention(num_heads=heads, causal=causal)
     ours = to_np(layer(x, mask=pad))
-    mha = _torch_mha_from(layer, d_model, heads)
+    mha = torch.nn.MultiheadAttention(d_model, heads, batch_first=True, dtype=torch.float64)
+    copy_attention_to_torch(layer, mha)
     attn_mask = None
     if causal:  # torch: True = NOT allowed
         attn_mask = torch.from_numpy(~np.tril(np.ones((length, length), bool)))

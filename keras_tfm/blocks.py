@@ -1,0 +1,236 @@
+"""Transformer encoder and decoder blocks (seed 000 "Transformer Architecture", seed 003
+"Full Computational Pipeline", seed 004 §10–20).
+
+Each sublayer (self-attention, cross-attention, feed-forward) is wrapped in a residual
+connection and a layer normalization: post-LN by default, `LayerNorm(x + Dropout(sublayer(x)))`
+as in the paper and the seeds; with `norm_first=True`, pre-LN, `x + Dropout(sublayer(LayerNorm(x)))`.
+"""
+
+import keras
+
+from keras_tfm import masks as masks_lib
+from keras_tfm._checks import check_dropout, check_positive_int, check_rank, check_same_batch
+from keras_tfm.attention import CrossAttention, MultiHeadSelfAttention
+from keras_tfm.feedforward import FeedForward
+
+_SERIALIZABLE = keras.saving.register_keras_serializable(package="keras_tfm")
+
+
+class _TransformerBlockBase(keras.layers.Layer):
+    """Hyper-parameters, sublayer factories and the residual rule shared by both blocks."""
+
+    def __init__(
+        self,
+        num_heads,
+        ff_dim,
+        dropout=0.1,
+        attention_dropout=None,
+        activation="relu",
+        norm_first=False,
+        layer_norm_epsilon=1e-5,
+        kernel_initializer="glorot_uniform",
+        bias_initializer="zeros",
+        **kwargs,
+    ):
+        super().__init__(**kwargs)
+        self.num_heads = check_positive_int("num_heads", num_heads)
+        self.ff_dim = check_positive_int("ff_dim", ff_dim)
+        self.dropout = check_dropout("dropout", dropout)
+        self.attention_dropout = None if attention_dropout is None else check_dropout(
+            "attention_dropout", attention_dropout)
+        self.activation = keras.activations.get(activation)
+        self.norm_first = bool(norm_first)
+        self.layer_norm_epsilon = float(layer_norm_epsilon)
+        self.kernel_initializer = keras.initializers.get(kernel_initializer)
+        self.bias_initializer = keras.initializers.get(bias_initializer)
+        self.supports_masking = True
+
+    def _check_width(self, input_shape):
+        d_model = input_shape[-1]
+        if d_model is not None and d_model % self.num_heads:
+            raise ValueError(
+                f"{self.name}: d_model={d_model} is not divisible by num_heads={self.num_heads}."
+            )
+        return d_model
+
+    def _common(self, name):
+        return dict(kernel_initializer=self.kernel_initializer,
+                    bias_initializer=self.bias_initializer, dtype=self.dtype_policy, name=name)
+
+    def _attention(self, cls, name, **kwargs):
+        rate = self.dropout if self.attention_dropout is None else self.attention_dropout
+        return cls(num_heads=self.num_heads, dropout=rate, **kwargs, **self._common(name))
+
+    def _norm(self, name, input_shape):
+        norm = keras.layers.LayerNormalization(epsilon=self.layer_norm_epsilon,
+                                               dtype=self.dtype_policy, name=name)
+        norm.build(input_shape)
+        return norm
+
+    def _dropout(self, name):
+        return keras.layers.Dropout(self.dropout, dtype=self.dtype_policy, name=name)
+
+    def _build_feed_forward(self, input_shape):
+        self.feed_forward = FeedForward(self.ff_dim, activation=self.activation,
+                                        dropout=self.dropout, **self._common("feed_forward"))
+        self.feed_forward.build(input_shape)
+        self.feed_forward_norm = self._norm("feed_forward_norm", input_shape)
+        self.feed_forward_dropout = self._dropout("feed_forward_dropout")
+
+    def _residual(self, x, sublayer, norm, dropout, training):
+        """Residual connection and layer normalization around `sublayer`, post- or pre-LN."""
+        if self.norm_first:
+            return x + dropout(sublayer(norm(x)), training=training)
+        return norm(x + dropout(sublayer(x), training=training))
+
+    def _feed_forward_residual(self, x, training):
+        return self._residual(x, lambda h: self.feed_forward(h, training=training),
+                              self.feed_forward_norm, self.feed_forward_dropout, training)
+
+    def compute_output_shape(self, input_shape, *args, **kwargs):
+        return input_shape
+
+    def get_config(self):
+        return super().get_config() | {
+            "num_heads": self.num_heads,
+            "ff_dim": self.ff_dim,
+            "dropout": self.dropout,
+            "attention_dropout": self.attention_dropout,
+            "activation": keras.activations.serialize(self.activation),
+            "norm_first": self.norm_first,
+            "layer_norm_epsilon": self.layer_norm_epsilon,
+            "kernel_initializer": keras.initializers.serialize(self.kernel_initializer),
+            "bias_initializer": keras.initializers.serialize(self.bias_initializer),
+        }
+
+
+@_SERIALIZABLE
+class TransformerEncoderBlock(_TransformerBlockBase):
+    """One encoder layer: self-attention → add & norm → feed-forward → add & norm.
+
+    Args:
+        num_heads: attention heads; must divide `d_model`.
+        ff_dim: hidden width of the feed-forward network.
+        dropout: rate of the residual dropout, of the feed-forward's hidden dropout and (unless
+            `attention_dropout` is given) of the attention weights.
+        attention_dropout: rate on the attention weights; defaults to `dropout`.
+        activation: feed-forward activation (ReLU in the paper).
+        norm_first: False for post-LN (the paper), True for pre-LN.
+        layer_norm_epsilon: epsilon of the layer normalizations.
+        kernel_initializer, bias_initializer: for every dense projection.
+        **kwargs: base `Layer` arguments.
+
+    Call arguments:
+        inputs: `(B, S, d_model)`. Its Keras mask pads the self-attention keys and is
+            propagated to the output.
+        attention_mask: optional bool `(B, S, S)` or `(S, S)`, True where attention is allowed.
+        training: whether dropout is active.
+        mask: the Keras padding mask `(B, S)` of `inputs`; filled in by Keras.
+
+    Returns:
+        `(B, S, d_model)`.
+
+    Example:
+
+    >>> TransformerEncoderBlock(num_heads=2, ff_dim=32)(keras.random.normal((2, 5, 8))).shape
+    (2, 5, 8)
+    """
+
+    def build(self, input_shape):
+        check_rank(self, "inputs", input_shape, 3)
+        self._check_width(input_shape)
+        self.self_attention = self._attention(MultiHeadSelfAttention, "self_attention")
+        self.self_attention.build(input_shape)
+        self.self_attention_norm = self._norm("self_attention_norm", input_shape)
+        self.self_attention_dropout = self._dropout("self_attention_dropout")
+        self._build_feed_forward(input_shape)
+
+    def call(self, inputs, attention_mask=None, training=None, mask=None):
+        check_rank(self, "inputs", inputs.shape, 3)
+        if mask is None:
+            mask = masks_lib.keras_mask(inputs)
+        x = self._residual(
+            inputs,
+            lambda h: self.self_attention(h, attention_mask=attention_mask, training=training,
+                                          mask=mask),
+            self.self_attention_norm, self.self_attention_dropout, training)
+        return self._feed_forward_residual(x, training)
+
+
+@_SERIALIZABLE
+class TransformerDecoderBlock(_TransformerBlockBase):
+    """One decoder layer: causal self-attention → add & norm → cross-attention → add & norm →
+    feed-forward → add & norm.
+
+    The cross-attention takes its queries from the decoder and its keys and values from
+    `encoder_outputs` ("encoder-decoder attention"). Source length S and target length T may
+    differ; the widths of `inputs` and `encoder_outputs` must be equal.
+
+    Args:
+        As `TransformerEncoderBlock`.
+
+    Call arguments:
+        inputs: `(B, T, d_model)`, the decoder stream. Its Keras mask pads the self-attention
+            keys and is propagated to the output.
+        encoder_outputs: `(B, S, d_model)`. Its Keras mask pads the cross-attention keys.
+        self_attention_mask: optional bool `(B, T, T)` or `(T, T)`, ANDed with the causal mask.
+        cross_attention_mask: optional bool `(B, T, S)` or `(T, S)`.
+        training: whether dropout is active.
+        inputs_mask, encoder_outputs_mask: Keras masks `(B, T)`, `(B, S)`; filled in by Keras.
+
+    Returns:
+        `(B, T, d_model)`.
+
+    Example:
+
+    >>> block = TransformerDecoderBlock(num_heads=2, ff_dim=32)
+    >>> block(keras.random.normal((2, 4, 8)), keras.random.normal((2, 7, 8))).shape
+    (2, 4, 8)
+    """
+
+    def build(self, inputs_shape, encoder_outputs_shape=None):
+        check_rank(self, "inputs", inputs_shape, 3)
+        if encoder_outputs_shape is None:
+            encoder_outputs_shape = inputs_shape
+        check_rank(self, "encoder_outputs", encoder_outputs_shape, 3)
+        self._check_matching(inputs_shape, encoder_outputs_shape)
+        self._check_width(inputs_shape)
+        self.self_attention = self._attention(MultiHeadSelfAttention, "self_attention",
+                                              causal=True)
+        self.self_attention.build(inputs_shape)
+        self.self_attention_norm = self._norm("self_attention_norm", inputs_shape)
+        self.self_attention_dropout = self._dropout("self_attention_dropout")
+        self.cross_attention = self._attention(CrossAttention, "cross_attention")
+        self.cross_attention.build(inputs_shape, encoder_outputs_shape)
+        self.cross_attention_norm = self._norm("cross_attention_norm", inputs_shape)
+        self.cross_attention_dropout = self._dropout("cross_attention_dropout")
+        self._build_feed_forward(inputs_shape)
+
+    def _check_matching(self, inputs_shape, encoder_outputs_shape):
+        check_same_batch(self, "inputs", inputs_shape, "encoder_outputs", encoder_outputs_shape)
+        d_dec, d_enc = inputs_shape[-1], encoder_outputs_shape[-1]
+        if d_dec is not None and d_enc is not None and d_dec != d_enc:
+            raise ValueError(
+                f"{self.name}: the decoder width ({d_dec}) and the encoder output width "
+                f"({d_enc}) must be equal; received inputs {tuple(inputs_shape)} and "
+                f"encoder_outputs {tuple(encoder_outputs_shape)}."
+            )
+
+    def call(self, inputs, encoder_outputs, self_attention_mask=None, cross_attention_mask=None,
+             training=None, inputs_mask=None, encoder_outputs_mask=None):
+        check_rank(self, "inputs", inputs.shape, 3)
+        check_rank(self, "encoder_outputs", encoder_outputs.shape, 3)
+        self._check_matching(inputs.shape, encoder_outputs.shape)
+        x = self._residual(
+            inputs,
+            lambda h: self.self_attention(h, attention_mask=self_attention_mask,
+                                          training=training, mask=inputs_mask),
+            self.self_attention_norm, self.self_attention_dropout, training)
+        x = self._residual(
+            x,
+            lambda h: self.cross_attention(h, encoder_outputs,
+                                           attention_mask=cross_attention_mask,
+                                           training=training, query_mask=inputs_mask,
+                                           context_mask=encoder_outputs_mask),
+            self.cross_attention_norm, self.cross_attention_dropout, training)
+        return self._feed_forward_residual(x, training)

@@ -1,0 +1,120 @@
+"""Token embedding plus positional information: the input of each transformer stack."""
+
+import math
+
+import keras
+from keras import ops
+
+from keras_tfm import masks as masks_lib
+from keras_tfm._checks import check_positive_int
+from keras_tfm.positional import PositionEmbedding, SinusoidalPositionalEncoding
+
+_SERIALIZABLE = keras.saving.register_keras_serializable(package="keras_tfm")
+
+POSITIONAL_KINDS = ("sinusoidal", "learned")
+
+
+@_SERIALIZABLE
+class TokenAndPositionEmbedding(keras.layers.Layer):
+    """Token embedding × √d_model (the paper) plus positional information.
+
+    The padding mask of the model starts here: with `mask_zero=True` token id 0 is padding and
+    the output carries the Keras mask `token_ids != 0`.
+
+    The same layer can also map hidden states back to vocabulary logits with its (transposed)
+    token embedding matrix — `call(hidden, reverse=True)` — which is how `build_transformer`
+    ties the target embedding to the output projection.
+
+    Args:
+        vocab_size: number of token ids.
+        d_model: embedding width.
+        max_length: longest sequence; required for `positional="learned"` (the table size),
+            ignored by the sinusoidal encoding, which takes any length.
+        positional: `"sinusoidal"` (the paper's fixed encoding) or `"learned"`.
+        mask_zero: whether id 0 is padding (and the output carries a Keras mask).
+        scale: multiply the token embedding by √d_model before adding positions.
+        embeddings_initializer: initializer of the token embedding matrix.
+        **kwargs: base `Layer` arguments.
+
+    Call arguments:
+        inputs: int token ids `(B, T)`; or, with `reverse=True`, hidden states `(B, T, d_model)`.
+        start_index: position of the first token (cached decoding feeds step t at position t).
+        reverse: map hidden states to logits `(B, T, vocab_size)` instead.
+
+    Returns:
+        `(B, T, d_model)`, or logits `(B, T, vocab_size)` when `reverse`.
+
+    Example:
+
+    >>> emb = TokenAndPositionEmbedding(vocab_size=100, d_model=16)
+    >>> emb(np.array([[5, 6, 0]])).shape
+    (1, 3, 16)
+    """
+
+    def __init__(self, vocab_size, d_model, max_length=None, positional="sinusoidal",
+                 mask_zero=True, scale=True, embeddings_initializer="uniform", **kwargs):
+        super().__init__(**kwargs)
+        self.vocab_size = check_positive_int("vocab_size", vocab_size)
+        self.d_model = check_positive_int("d_model", d_model)
+        if positional not in POSITIONAL_KINDS:
+            raise ValueError(f"`positional` must be one of {POSITIONAL_KINDS}; received "
+                             f"positional={positional!r}.")
+        if positional == "learned" and max_length is None:
+            raise ValueError('`max_length` is required for positional="learned" (the size of '
+                             "the learned position table); received max_length=None.")
+        self.max_length = None if max_length is None else check_positive_int("max_length",
+                                                                              max_length)
+        self.positional = positional
+        self.mask_zero = bool(mask_zero)
+        self.scale = bool(scale)
+        self.embeddings_initializer = keras.initializers.get(embeddings_initializer)
+        self.supports_masking = True
+
+    def build(self, input_shape):
+        self.token_embedding = keras.layers.Embedding(
+            self.vocab_size, self.d_model, embeddings_initializer=self.embeddings_initializer,
+            dtype=self.dtype_policy, name="token_embedding")
+        if self.positional == "learned":
+            self.position = PositionEmbedding(self.max_length, dtype=self.dtype_policy,
+                                              name="position_embedding")
+        else:
+            self.position = SinusoidalPositionalEncoding(dtype=self.dtype_policy,
+                                                         name="position_encoding")
+        self.token_embedding.build(input_shape[:2])
+        self.position.build(tuple(input_shape[:2]) + (self.d_model,))
+
+    def call(self, inputs, start_index=0, reverse=False):
+        if reverse:
+            kernel = ops.cast(ops.convert_to_tensor(self.token_embedding.embeddings), inputs.dtype)
+            return ops.matmul(inputs, ops.transpose(kernel))
+        x = self.token_embedding(inputs)
+        if self.scale:
+            x = x * ops.cast(math.sqrt(self.d_model), x.dtype)
+        return self.position(x, start_index=start_index)
+
+    def compute_mask(self, inputs, mask=None):
+        if len(inputs.shape) == 3:  # reverse=True: hidden states keep their own mask
+            return mask
+        if not self.mask_zero:
+            return None
+        return masks_lib.padding_mask(inputs, pad_id=0)
+
+    def compute_output_shape(self, input_shape, start_index=0, reverse=False):
+        if reverse:
+            return tuple(input_shape[:-1]) + (self.vocab_size,)
+        return tuple(input_shape) + (self.d_model,)
+
+    def compute_output_spec(self, inputs, start_index=0, reverse=False):
+        return keras.KerasTensor(self.compute_output_shape(inputs.shape, reverse=reverse),
+                                 dtype=self.compute_dtype)
+
+    def get_config(self):
+        return super().get_config() | {
+            "vocab_size": self.vocab_size,
+            "d_model": self.d_model,
+            "max_length": self.max_length,
+            "positional": self.positional,
+            "mask_zero": self.mask_zero,
+            "scale": self.scale,
+            "embeddings_initializer": keras.initializers.serialize(self.embeddings_initializer),
+        }

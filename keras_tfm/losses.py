@@ -1,0 +1,83 @@
+"""Masked loss for sequence-to-sequence training."""
+
+import keras
+from keras import ops
+
+from keras_tfm import masks as masks_lib
+
+
+@keras.saving.register_keras_serializable(package="keras_tfm")
+class MaskedSparseCategoricalCrossentropy(keras.losses.Loss):
+    """Sparse categorical cross-entropy averaged over real target tokens only.
+
+    Target tokens equal to `ignore_class` (padding) contribute nothing, and the mean is taken
+    over the remaining tokens: `sum(loss · w) / sum(w)` with `w = (y_true != ignore_class)`
+    (times `sample_weight` if given). The Keras mask that the model propagates to its logits
+    (the decoder inputs' padding) is deliberately not applied on top: Keras would otherwise
+    re-weight the already-masked mean a second time.
+
+    Label smoothing for sparse targets: the target distribution is
+    `(1 − ε) · one_hot(y) + ε / V` over the V classes.
+
+    Args:
+        from_logits: whether `y_pred` are logits (True) or probabilities.
+        ignore_class: the target id to ignore (padding); None ignores nothing.
+        label_smoothing: ε in [0, 1).
+        name: loss name.
+
+    Call arguments:
+        y_true: int `(B, T)`.
+        y_pred: `(B, T, V)` logits or probabilities.
+        sample_weight: optional `(B,)` or `(B, T)`.
+
+    Returns:
+        A scalar: the mean loss per real target token.
+    """
+
+    def __init__(self, from_logits=True, ignore_class=0, label_smoothing=0.0,
+                 name="masked_sparse_categorical_crossentropy", **kwargs):
+        super().__init__(name=name, **kwargs)
+        if not 0.0 <= label_smoothing < 1.0:
+            raise ValueError(f"`label_smoothing` must be in [0, 1); received {label_smoothing!r}.")
+        self.from_logits = bool(from_logits)
+        self.ignore_class = ignore_class
+        self.label_smoothing = float(label_smoothing)
+
+    def call(self, y_true, y_pred):
+        """Per-token losses `(B, T)` (ignored tokens included: weight them out)."""
+        y_pred = ops.cast(y_pred, "float32")
+        if self.from_logits:
+            log_probs = ops.log_softmax(y_pred, axis=-1)
+        else:
+            log_probs = ops.log(ops.clip(y_pred, 1e-7, 1.0))
+        labels = ops.cast(y_true, "int32")
+        if self.ignore_class is not None:
+            labels = ops.where(ops.equal(labels, self.ignore_class), 0, labels)
+        target_log_prob = ops.take_along_axis(log_probs, labels[..., None], axis=-1)[..., 0]
+        if self.label_smoothing == 0.0:
+            return -target_log_prob
+        eps = self.label_smoothing
+        return -(1.0 - eps) * target_log_prob - eps * ops.mean(log_probs, axis=-1)
+
+    def __call__(self, y_true, y_pred, sample_weight=None):
+        losses = self.call(y_true, y_pred)
+        if self.ignore_class is None:
+            weights = ops.ones_like(losses)
+        else:
+            weights = ops.cast(masks_lib.padding_mask(y_true, pad_id=self.ignore_class),
+                               "float32")
+        if sample_weight is not None:
+            sample_weight = ops.cast(sample_weight, "float32")
+            if len(sample_weight.shape) == 1:
+                sample_weight = sample_weight[:, None]
+            weights = weights * sample_weight
+        return ops.divide_no_nan(ops.sum(losses * weights), ops.sum(weights))
+
+    def get_config(self):
+        config = super().get_config()
+        config.pop("reduction", None)
+        return config | {
+            "from_logits": self.from_logits,
+            "ignore_class": self.ignore_class,
+            "label_smoothing": self.label_smoothing,
+        }
