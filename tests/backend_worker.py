@@ -2,7 +2,6 @@
 
     python backend_worker.py predict MODEL.keras INPUTS.npz OUTPUT.npz
     python backend_worker.py train_save OUTPUT_DIR      # compile, fit and save a small model
-    python backend_worker.py resume MODEL.keras INPUTS.npz OUTPUT.npz
 """
 
 import os
@@ -18,7 +17,9 @@ import keras_tfm  # noqa: E402
 
 
 def predict(model_path, inputs_path, output_path):
-    model = keras.models.load_model(model_path)
+    # compile=False: a file compiled with jit_compile=True under JAX or TensorFlow would make
+    # torch run `predict` through torch.compile (a minute of compilation for nothing here).
+    model = keras.models.load_model(model_path, compile=False)
     data = np.load(inputs_path)
     np.savez(output_path, logits=np.asarray(model.predict([data["src"], data["tgt"]], verbose=0)))
 
