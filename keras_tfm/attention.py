@@ -157,13 +157,22 @@ class _MultiHeadAttentionBase(keras.layers.Layer):
         self.dropout_layer = keras.layers.Dropout(self.dropout, dtype=self.dtype_policy,
                                                   name="attention_dropout")
 
-    def _attend(self, query, context, mask, training, return_attention_scores):
-        q = self.query_dense(query)
-        k = self.key_dense(context)
-        v = self.value_dense(context)
+    def _project_context(self, context):
+        """Keys and values `(B, S, H, d)` of `context`."""
+        return self.key_dense(context), self.value_dense(context)
+
+    def _check_cacheable(self):
+        if self._value_dim != self._key_dim:
+            raise ValueError(
+                f"{self.name}: a key/value cache stacks keys and values, so it needs "
+                f"value_dim == key_dim; received key_dim={self._key_dim}, "
+                f"value_dim={self._value_dim}."
+            )
+
+    def _attend(self, query, keys, values, mask, training, return_attention_scores):
         result = scaled_dot_product_attention(
-            q, k, v, mask=mask, dropout=self.dropout_layer, training=training,
-            return_weights=return_attention_scores,
+            self.query_dense(query), keys, values, mask=mask, dropout=self.dropout_layer,
+            training=training, return_weights=return_attention_scores,
         )
         if return_attention_scores:
             attended, scores = result
@@ -225,10 +234,18 @@ class MultiHeadSelfAttention(_MultiHeadAttentionBase):
             combined (AND) with the padding and causal masks.
         training: whether attention dropout is active.
         return_attention_scores: also return the attention weights `(B, H, T, T)`.
-        mask: the Keras padding mask `(B, T)` of `inputs`; filled in by Keras.
+        cache: optional key/value cache for autoregressive decoding (causal layers only), a
+            preallocated tensor `(B, 2, L, num_heads, key_dim)` (keys at `[:, 0]`, values at
+            `[:, 1]`; needs `value_dim == key_dim`). The keys and values of `inputs` are written
+            at positions `cache_update_index … cache_update_index + T - 1`, and the queries
+            attend over the cache, query i seeing keys `0 … cache_update_index + i`.
+        cache_update_index: int or scalar int tensor, the position of `inputs[:, 0]`.
+        mask: the Keras padding mask `(B, T)` of `inputs`; filled in by Keras. (With a cache
+            the keys come from the cache and this mask is not used.)
 
     Returns:
-        `(B, T, d_model)`, or `(output, scores)` when `return_attention_scores`.
+        `(B, T, d_model)`, or `(output, scores)` when `return_attention_scores`; with a cache,
+        the updated cache is appended: `(output, cache)` or `(output, scores, cache)`.
 
     Example:
 
@@ -248,17 +265,49 @@ class MultiHeadSelfAttention(_MultiHeadAttentionBase):
         self._build_projections(input_shape, input_shape)
 
     def call(self, inputs, attention_mask=None, training=None, return_attention_scores=False,
-             mask=None):
+             cache=None, cache_update_index=None, mask=None):
         check_rank(self, "inputs", inputs.shape, 3)
+        if cache is not None:
+            return self._call_cached(inputs, attention_mask, training, return_attention_scores,
+                                     cache, cache_update_index)
         if mask is None:
             mask = masks_lib.keras_mask(inputs)
         merged = masks_lib.merge_masks(inputs, inputs, key_padding_mask=mask,
                                        attention_mask=attention_mask, causal=self.causal)
-        return self._attend(inputs, inputs, merged, training, return_attention_scores)
+        keys, values = self._project_context(inputs)
+        return self._attend(inputs, keys, values, merged, training, return_attention_scores)
+
+    def _call_cached(self, inputs, attention_mask, training, return_attention_scores, cache,
+                     cache_update_index):
+        """Write the keys/values of `inputs` at `cache_update_index`, attend over the cache."""
+        if not self.causal:
+            raise ValueError(f"{self.name}: a key/value cache is for causal self-attention "
+                             "(autoregressive decoding); this layer has causal=False.")
+        if cache_update_index is None:
+            raise ValueError(f"{self.name}: `cache_update_index` is required with `cache`.")
+        self._check_cacheable()
+        keys, values = self._project_context(inputs)
+        update = ops.cast(ops.stack([keys, values], axis=1), cache.dtype)
+        index = ops.cast(cache_update_index, "int32")
+        zero = ops.zeros((), "int32")
+        cache = ops.slice_update(cache, (zero, zero, index, zero, zero), update)
+        keys, values = cache[:, 0], cache[:, 1]
+        # Bottom-right over the filled part: query i (at position index + i) sees keys 0 … index + i.
+        merged = masks_lib.merge_masks(inputs, keys, attention_mask=attention_mask, causal=True,
+                                       causal_offset=index)
+        result = self._attend(inputs, keys, values, merged, training, return_attention_scores)
+        if return_attention_scores:
+            return result[0], result[1], cache
+        return result, cache
 
     def compute_output_spec(self, inputs, attention_mask=None, training=None,
-                            return_attention_scores=False, mask=None):
-        return self._output_spec(inputs, inputs, return_attention_scores)
+                            return_attention_scores=False, cache=None, cache_update_index=None,
+                            mask=None):
+        if cache is None:
+            return self._output_spec(inputs, inputs, return_attention_scores)
+        spec = self._output_spec(inputs, cache[:, 0], return_attention_scores)
+        cache_spec = keras.KerasTensor(cache.shape, dtype=cache.dtype)
+        return (*spec, cache_spec) if return_attention_scores else (spec, cache_spec)
 
     def get_config(self):
         return super().get_config() | {"causal": self.causal}
@@ -282,7 +331,10 @@ class CrossAttention(_MultiHeadAttentionBase):
         attention_mask: optional bool `(B, T, S)` or `(T, S)`, True where attention is allowed.
         training: whether attention dropout is active.
         return_attention_scores: also return the attention weights `(B, H, T, S)`.
-        query_mask, context_mask: Keras masks `(B, T)`, `(B, S)`; filled in by Keras.
+        context_cache: optional `compute_context_cache(context)`, used instead of `context`
+            (cached decoding computes the encoder's keys and values once per source batch).
+        query_mask, context_mask: Keras masks `(B, T)`, `(B, S)`; filled in by Keras (pass
+            `context_mask` yourself with a `context_cache`).
 
     Returns:
         `(B, T, d_model)`, or `(output, scores)` when `return_attention_scores`.
@@ -295,21 +347,41 @@ class CrossAttention(_MultiHeadAttentionBase):
     ((2, 3, 16), (2, 4, 3, 7))
     """
 
-    def build(self, query_shape, context_shape):
+    def build(self, query_shape, context_shape=None):
         check_rank(self, "query", query_shape, 3)
+        if context_shape is None:
+            raise ValueError(f"{self.name}: build the layer with a `context` before calling it "
+                             "with a `context_cache` alone.")
         check_rank(self, "context", context_shape, 3)
         check_same_batch(self, "query", query_shape, "context", context_shape)
         self._build_projections(query_shape, context_shape)
 
-    def call(self, query, context, attention_mask=None, training=None,
-             return_attention_scores=False, query_mask=None, context_mask=None):
-        check_rank(self, "query", query.shape, 3)
-        check_rank(self, "context", context.shape, 3)
-        check_same_batch(self, "query", query.shape, "context", context.shape)
-        merged = masks_lib.merge_masks(query, context, key_padding_mask=context_mask,
-                                       attention_mask=attention_mask)
-        return self._attend(query, context, merged, training, return_attention_scores)
+    def compute_context_cache(self, context):
+        """Keys and values of `context`, computed once: `(B, 2, S, num_heads, key_dim)`.
 
-    def compute_output_spec(self, query, context, attention_mask=None, training=None,
-                            return_attention_scores=False, query_mask=None, context_mask=None):
+        Pass the result as `context_cache` at every decoding step instead of `context`."""
+        check_rank(self, "context", context.shape, 3)
+        self._check_cacheable()
+        return ops.stack(self._project_context(context), axis=1)
+
+    def call(self, query, context=None, attention_mask=None, training=None,
+             return_attention_scores=False, context_cache=None, query_mask=None,
+             context_mask=None):
+        check_rank(self, "query", query.shape, 3)
+        if context_cache is not None:
+            keys, values = context_cache[:, 0], context_cache[:, 1]
+        elif context is None:
+            raise ValueError(f"{self.name}: pass `context` or `context_cache`.")
+        else:
+            check_rank(self, "context", context.shape, 3)
+            check_same_batch(self, "query", query.shape, "context", context.shape)
+            keys, values = self._project_context(context)
+        merged = masks_lib.merge_masks(query, keys, key_padding_mask=context_mask,
+                                       attention_mask=attention_mask)
+        return self._attend(query, keys, values, merged, training, return_attention_scores)
+
+    def compute_output_spec(self, query, context=None, attention_mask=None, training=None,
+                            return_attention_scores=False, context_cache=None, query_mask=None,
+                            context_mask=None):
+        context = context if context is not None else context_cache[:, 0]
         return self._output_spec(query, context, return_attention_scores)

@@ -176,10 +176,19 @@ class TransformerDecoderBlock(_TransformerBlockBase):
         self_attention_mask: optional bool `(B, T, T)` or `(T, T)`, ANDed with the causal mask.
         cross_attention_mask: optional bool `(B, T, S)` or `(T, S)`.
         training: whether dropout is active.
+        return_attention_scores: also return the self- and cross-attention weights,
+            `(B, H, T, T)` and `(B, H, T, S)`.
+        self_attention_cache: key/value cache of the self-attention for cached decoding,
+            `(B, 2, L, num_heads, key_dim)`; see `MultiHeadSelfAttention`.
+        self_attention_cache_update_index: position of `inputs[:, 0]` in the cache.
+        cross_attention_cache: `block.cross_attention.compute_context_cache(encoder_outputs)`,
+            computed once per source batch and used instead of `encoder_outputs` (then pass
+            `encoder_outputs_mask` yourself).
         inputs_mask, encoder_outputs_mask: Keras masks `(B, T)`, `(B, S)`; filled in by Keras.
 
     Returns:
-        `(B, T, d_model)`.
+        `(B, T, d_model)`; `(output, self_scores, cross_scores)` with
+        `return_attention_scores`; `(output, updated_self_attention_cache)` with a cache.
 
     Example:
 
@@ -216,21 +225,67 @@ class TransformerDecoderBlock(_TransformerBlockBase):
                 f"encoder_outputs {tuple(encoder_outputs_shape)}."
             )
 
-    def call(self, inputs, encoder_outputs, self_attention_mask=None, cross_attention_mask=None,
-             training=None, inputs_mask=None, encoder_outputs_mask=None):
+    def call(self, inputs, encoder_outputs=None, self_attention_mask=None,
+             cross_attention_mask=None, training=None, return_attention_scores=False,
+             self_attention_cache=None, self_attention_cache_update_index=None,
+             cross_attention_cache=None, inputs_mask=None, encoder_outputs_mask=None):
         check_rank(self, "inputs", inputs.shape, 3)
-        check_rank(self, "encoder_outputs", encoder_outputs.shape, 3)
-        self._check_matching(inputs.shape, encoder_outputs.shape)
-        x = self._residual(
-            inputs,
-            lambda h: self.self_attention(h, attention_mask=self_attention_mask,
-                                          training=training, mask=inputs_mask),
-            self.self_attention_norm, self.self_attention_dropout, training)
-        x = self._residual(
-            x,
-            lambda h: self.cross_attention(h, encoder_outputs,
-                                           attention_mask=cross_attention_mask,
-                                           training=training, query_mask=inputs_mask,
-                                           context_mask=encoder_outputs_mask),
-            self.cross_attention_norm, self.cross_attention_dropout, training)
-        return self._feed_forward_residual(x, training)
+        if encoder_outputs is not None:
+            check_rank(self, "encoder_outputs", encoder_outputs.shape, 3)
+            self._check_matching(inputs.shape, encoder_outputs.shape)
+        elif cross_attention_cache is None:
+            raise ValueError(f"{self.name}: pass `encoder_outputs` or `cross_attention_cache`.")
+        if self_attention_cache is not None and return_attention_scores:
+            raise ValueError(f"{self.name}: `return_attention_scores` is not available with a "
+                             "cache.")
+        scores = {}
+
+        def self_attention(h):
+            result = self.self_attention(
+                h, attention_mask=self_attention_mask, training=training, mask=inputs_mask,
+                return_attention_scores=return_attention_scores, cache=self_attention_cache,
+                cache_update_index=self_attention_cache_update_index)
+            if self_attention_cache is not None:
+                result, scores["cache"] = result
+            elif return_attention_scores:
+                result, scores["self"] = result
+            return result
+
+        def cross_attention(h):
+            result = self.cross_attention(
+                h, encoder_outputs, attention_mask=cross_attention_mask, training=training,
+                return_attention_scores=return_attention_scores,
+                context_cache=cross_attention_cache, query_mask=inputs_mask,
+                context_mask=encoder_outputs_mask)
+            if return_attention_scores:
+                result, scores["cross"] = result
+            return result
+
+        x = self._residual(inputs, self_attention, self.self_attention_norm,
+                           self.self_attention_dropout, training)
+        x = self._residual(x, cross_attention, self.cross_attention_norm,
+                           self.cross_attention_dropout, training)
+        x = self._feed_forward_residual(x, training)
+        if self_attention_cache is not None:
+            return x, scores["cache"]
+        if return_attention_scores:
+            return x, scores["self"], scores["cross"]
+        return x
+
+    def compute_output_spec(self, inputs, encoder_outputs=None, *args,
+                            return_attention_scores=False, self_attention_cache=None,
+                            cross_attention_cache=None, **kwargs):
+        output = keras.KerasTensor(inputs.shape, dtype=self.compute_dtype)
+        if self_attention_cache is not None:
+            return output, keras.KerasTensor(self_attention_cache.shape,
+                                             dtype=self_attention_cache.dtype)
+        if return_attention_scores:
+            batch, length = inputs.shape[0], inputs.shape[1]
+            source_length = (encoder_outputs.shape[1] if encoder_outputs is not None
+                             else cross_attention_cache.shape[2])
+            return (output,
+                    keras.KerasTensor((batch, self.num_heads, length, length),
+                                      dtype=self.compute_dtype),
+                    keras.KerasTensor((batch, self.num_heads, length, source_length),
+                                      dtype=self.compute_dtype))
+        return output

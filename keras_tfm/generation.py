@@ -1,0 +1,362 @@
+"""Translation with a key/value cache: greedy and beam search.
+
+Training sees the whole target at once (masked attention, seed 000); inference generates one
+token at a time and feeds it back. Recomputing the decoder over the whole prefix at every step
+makes decoding quadratic; here each decoder block keeps a preallocated key/value cache of its
+self-attention, the cross-attention keys and values are computed once per source batch, and each
+step runs the decoder on one new token only.
+"""
+
+import dataclasses
+import math
+import weakref
+
+import keras
+import numpy as np
+from keras import ops
+
+from keras_tfm import masks as masks_lib
+from keras_tfm.blocks import TransformerDecoderBlock, TransformerEncoderBlock
+from keras_tfm.embedding import TokenAndPositionEmbedding
+
+PAD_ID = 0
+_NEG_INF = -1e9  # finite: -inf - -inf would give NaN in the beam bookkeeping
+
+
+@dataclasses.dataclass
+class Seq2SeqParts:
+    """The layers of an encoder-decoder model, found by type (and name where it matters).
+
+    `from_model` looks in `model.layers` for:
+
+    * two `TokenAndPositionEmbedding` layers: the ones named `encoder_embedding` and
+      `decoder_embedding` if present, else the first is the encoder's and the second the
+      decoder's;
+    * the `TransformerEncoderBlock` and `TransformerDecoderBlock` layers, in the order the model
+      calls them;
+    * optional final normalizations named `encoder_norm` and `decoder_norm` (pre-LN models);
+    * the output projection: the `Dense` layer named `logits`, else the last `Dense` layer; with
+      none, the decoder embedding's transposed matrix (tied embeddings).
+
+    `build_transformer` models and models built by hand as in the README have exactly these.
+    Dropout layers are skipped (decoding is inference).
+    """
+
+    encoder_embedding: TokenAndPositionEmbedding
+    encoder_blocks: list
+    encoder_norm: object
+    decoder_embedding: TokenAndPositionEmbedding
+    decoder_blocks: list
+    decoder_norm: object
+    output_projection: object
+
+    @classmethod
+    def from_model(cls, model):
+        layers = list(model.layers)
+        by_name = {layer.name: layer for layer in layers}
+        embeddings = [layer for layer in layers if isinstance(layer, TokenAndPositionEmbedding)]
+        if "encoder_embedding" in by_name and "decoder_embedding" in by_name:
+            embeddings = [by_name["encoder_embedding"], by_name["decoder_embedding"]]
+        encoder_blocks = [layer for layer in layers if isinstance(layer, TransformerEncoderBlock)]
+        decoder_blocks = [layer for layer in layers if isinstance(layer, TransformerDecoderBlock)]
+        if len(embeddings) != 2 or not encoder_blocks or not decoder_blocks:
+            raise ValueError(
+                f"Model {model.name!r} is not a keras_tfm encoder-decoder: generation needs two "
+                "TokenAndPositionEmbedding layers (encoder, decoder) and at least one "
+                "TransformerEncoderBlock and TransformerDecoderBlock; found "
+                f"{len(embeddings)}, {len(encoder_blocks)} and {len(decoder_blocks)}."
+            )
+        dense = [layer for layer in layers if isinstance(layer, keras.layers.Dense)]
+        projection = by_name.get("logits", dense[-1] if dense else None)
+        return cls(embeddings[0], encoder_blocks, by_name.get("encoder_norm"), embeddings[1],
+                   decoder_blocks, by_name.get("decoder_norm"), projection)
+
+    @property
+    def target_vocab_size(self):
+        return self.decoder_embedding.vocab_size
+
+    def encode(self, source_tokens):
+        """Encoder output `(B, S, d_model)` and the source padding mask `(B, S)`."""
+        mask = masks_lib.padding_mask(source_tokens, PAD_ID)
+        x = self.encoder_embedding(source_tokens)
+        for block in self.encoder_blocks:
+            x = block(x, mask=mask)
+        if self.encoder_norm is not None:
+            x = self.encoder_norm(x)
+        return x, mask
+
+    def cross_attention_caches(self, encoder_outputs):
+        return [block.cross_attention.compute_context_cache(encoder_outputs)
+                for block in self.decoder_blocks]
+
+    def empty_self_attention_caches(self, batch_size, max_length):
+        caches = []
+        for block in self.decoder_blocks:
+            attention = block.self_attention
+            caches.append(ops.zeros((batch_size, 2, max_length, attention.num_heads,
+                                     attention._key_dim), dtype=block.compute_dtype))
+        return caches
+
+    def decode_step(self, tokens, index, self_caches, cross_caches, source_mask):
+        """Logits `(B, V)` (float32) of the tokens `(B, 1)` at position `index`, new caches."""
+        x = self.decoder_embedding(tokens, start_index=index)
+        new_caches = []
+        for block, cache, cross in zip(self.decoder_blocks, self_caches, cross_caches):
+            x, cache = block(x, self_attention_cache=cache,
+                             self_attention_cache_update_index=index, cross_attention_cache=cross,
+                             encoder_outputs_mask=source_mask)
+            new_caches.append(cache)
+        if self.decoder_norm is not None:
+            x = self.decoder_norm(x)
+        if self.output_projection is None:
+            logits = self.decoder_embedding(x, reverse=True)
+        else:
+            logits = self.output_projection(x)
+        return ops.cast(logits[:, 0], "float32"), new_caches
+
+
+def _log_probs(logits):
+    """Log-probabilities with the padding token excluded (it is never generated)."""
+    vocab = ops.shape(logits)[-1]
+    is_pad = ops.equal(ops.arange(vocab), PAD_ID)
+    return ops.log_softmax(ops.where(is_pad, _NEG_INF, logits), axis=-1)
+
+
+def _greedy_search(parts, source, start_id, end_id, max_length):
+    batch = ops.shape(source)[0]
+    encoder_outputs, source_mask = parts.encode(source)
+    cross = parts.cross_attention_caches(encoder_outputs)
+    caches = parts.empty_self_attention_caches(batch, max_length)
+    tokens = ops.concatenate([ops.full((batch, 1), start_id, "int32"),
+                              ops.zeros((batch, max_length), "int32")], axis=1)
+    finished = ops.zeros((batch,), "bool")
+    scores = ops.zeros((batch,), "float32")
+
+    def cond(i, tokens, caches, finished, scores):
+        return ops.logical_and(i < max_length, ops.logical_not(ops.all(finished)))
+
+    def body(i, tokens, caches, finished, scores):
+        current = ops.slice(tokens, (0, i), (batch, 1))
+        logits, caches = parts.decode_step(current, i, caches, cross, source_mask)
+        log_probs = _log_probs(logits)
+        chosen = ops.cast(ops.argmax(log_probs, axis=-1), "int32")
+        chosen_log_prob = ops.take_along_axis(log_probs, chosen[:, None], axis=-1)[:, 0]
+        scores = scores + ops.where(finished, 0.0, chosen_log_prob)
+        chosen = ops.where(finished, PAD_ID, chosen)
+        finished = ops.logical_or(finished, ops.equal(chosen, end_id))
+        tokens = ops.slice_update(tokens, (0, i + 1), chosen[:, None])
+        return i + 1, tokens, caches, finished, scores
+
+    state = (ops.convert_to_tensor(0, "int32"), tokens, caches, finished, scores)
+    _, tokens, _, _, scores = ops.while_loop(cond, body, state, maximum_iterations=max_length)
+    return tokens[:, 1:], scores
+
+
+def _length_penalty(length, alpha):
+    """((5 + length) / 6) ** alpha, the length penalty of Wu et al. (2016)."""
+    return ops.power((5.0 + ops.cast(length, "float32")) / 6.0, alpha)
+
+
+def _gather_beams(values, indices):
+    """values (B, N, ...) gathered along the beam axis with indices (B, K)."""
+    expanded = ops.reshape(indices, tuple(ops.shape(indices)) + (1,) * (len(values.shape) - 2))
+    return ops.take_along_axis(values, expanded, axis=1)
+
+
+def _beam_search(parts, source, start_id, end_id, max_length, beam_size, alpha):
+    batch, k = ops.shape(source)[0], beam_size
+    length = max_length + 1
+    encoder_outputs, source_mask = parts.encode(source)
+    # Beams are folded into the batch: row b * k + j is beam j of source b.
+    encoder_outputs = ops.repeat(encoder_outputs, k, axis=0)
+    source_mask = ops.repeat(source_mask, k, axis=0)
+    cross = parts.cross_attention_caches(encoder_outputs)
+    caches = parts.empty_self_attention_caches(batch * k, max_length)
+
+    alive_seq = ops.concatenate([ops.full((batch, k, 1), start_id, "int32"),
+                                 ops.zeros((batch, k, max_length), "int32")], axis=2)
+    # Only the first beam is alive at the start, so the first step expands one hypothesis.
+    first = ops.concatenate([ops.zeros((1,)), ops.full((k - 1,), _NEG_INF)], axis=0)
+    alive_log_probs = ops.tile(ops.cast(first, "float32")[None], (batch, 1))
+    finished_seq = ops.zeros((batch, k, length), "int32")
+    finished_scores = ops.full((batch, k), _NEG_INF, "float32")
+    finished_log_probs = ops.full((batch, k), _NEG_INF, "float32")
+    finished_flags = ops.zeros((batch, k), "bool")
+    max_penalty = _length_penalty(max_length, alpha)
+    offsets = ops.arange(batch, dtype="int32")[:, None] * k
+
+    def cond(i, alive_seq, alive_log_probs, caches, finished_seq, finished_scores,
+             finished_log_probs, finished_flags):
+        # Stop early once no alive beam can beat the worst kept finished hypothesis: log
+        # probabilities only fall, and the penalty is at most the one of max_length.
+        best_alive = alive_log_probs[:, 0] / max_penalty
+        worst_finished = ops.min(ops.where(finished_flags, finished_scores, 0.0), axis=1)
+        worst_finished = ops.where(ops.any(finished_flags, axis=1), worst_finished, _NEG_INF)
+        bound_met = ops.all(ops.greater(worst_finished, best_alive))
+        return ops.logical_and(i < max_length, ops.logical_not(bound_met))
+
+    def body(i, alive_seq, alive_log_probs, caches, finished_seq, finished_scores,
+             finished_log_probs, finished_flags):
+        current = ops.reshape(ops.slice(alive_seq, (0, 0, i), (batch, k, 1)), (batch * k, 1))
+        logits, caches = parts.decode_step(current, i, caches, cross, source_mask)
+        vocab = ops.shape(logits)[-1]
+        log_probs = ops.reshape(_log_probs(logits), (batch, k, vocab))
+        candidates = ops.reshape(alive_log_probs[:, :, None] + log_probs, (batch, k * vocab))
+        # 2k candidates: even if k of them end here, k stay alive.
+        top_log_probs, top_index = ops.top_k(candidates, 2 * k)
+        top_beam = ops.cast(top_index // vocab, "int32")
+        top_token = ops.cast(top_index % vocab, "int32")
+        top_seq = _gather_beams(alive_seq, top_beam)
+        position = ops.equal(ops.arange(length, dtype="int32"), i + 1)
+        top_seq = ops.where(position[None, None, :], top_token[:, :, None], top_seq)
+        ends = ops.equal(top_token, end_id)
+
+        alive_candidates = ops.where(ends, _NEG_INF, top_log_probs)
+        alive_log_probs, alive_pick = ops.top_k(alive_candidates, k)
+        alive_seq = _gather_beams(top_seq, alive_pick)
+        parent = ops.reshape(_gather_beams(top_beam, alive_pick) + offsets, (-1,))
+        caches = [ops.take(cache, parent, axis=0) for cache in caches]
+
+        # Finished hypotheses are kept aside, ranked by their length-penalised score.
+        new_scores = ops.where(ends, top_log_probs / _length_penalty(i + 1, alpha), _NEG_INF)
+        merged_scores = ops.concatenate([finished_scores, new_scores], axis=1)
+        finished_scores, pick = ops.top_k(merged_scores, k)
+        finished_seq = _gather_beams(ops.concatenate([finished_seq, top_seq], axis=1), pick)
+        finished_log_probs = _gather_beams(
+            ops.concatenate([finished_log_probs, top_log_probs], axis=1), pick)
+        finished_flags = _gather_beams(ops.concatenate([finished_flags, ends], axis=1), pick)
+        return (i + 1, alive_seq, alive_log_probs, caches, finished_seq, finished_scores,
+                finished_log_probs, finished_flags)
+
+    state = (ops.convert_to_tensor(0, "int32"), alive_seq, alive_log_probs, caches,
+             finished_seq, finished_scores, finished_log_probs, finished_flags)
+    state = ops.while_loop(cond, body, state, maximum_iterations=max_length)
+    _, alive_seq, alive_log_probs, _, finished_seq, _, finished_log_probs, finished_flags = state
+    # A source with no finished hypothesis (max_length reached) returns its best alive beam.
+    has_finished = ops.any(finished_flags, axis=1)
+    tokens = ops.where(has_finished[:, None], finished_seq[:, 0], alive_seq[:, 0])
+    scores = ops.where(has_finished, finished_log_probs[:, 0], alive_log_probs[:, 0])
+    return tokens[:, 1:], scores
+
+
+_COMPILED = weakref.WeakKeyDictionary()
+
+
+def _compile(model, search):
+    """Compile `search(source)` once per model and settings, where the backend allows it.
+
+    The one backend-specific piece of generation: JAX jit-compiles with the model's variables
+    passed in (a StatelessScope), so later weight updates are seen without recompiling;
+    TensorFlow traces a tf.function (variables are read live); PyTorch runs eagerly without
+    autograd. Each retraces only for new input shapes.
+    """
+    backend = keras.backend.backend()
+    if backend == "jax":
+        import jax
+
+        variables = list(model.variables)
+
+        @jax.jit
+        def run(values, source):
+            with keras.StatelessScope(state_mapping=list(zip(variables, values))):
+                return search(source)
+
+        return lambda source: run([v.value for v in variables], source)
+    if backend == "tensorflow":
+        import tensorflow as tf
+
+        return tf.function(search)
+    if backend == "torch":
+        import torch
+
+        def run(source):
+            with torch.no_grad():
+                return search(source)
+
+        return run
+    return search
+
+
+def generate(model, source_tokens, start_id, end_id, max_length, method="greedy", beam_size=4,
+             length_penalty=0.6, return_scores=False, batch_size=None, verbose=False):
+    """Translate source token ids with a key/value-cached greedy or beam search.
+
+    Works on models from `build_transformer` and on models built by hand from the keras_tfm
+    blocks as in the README (see `Seq2SeqParts` for how the layers are found).
+
+    Args:
+        model: the encoder-decoder `keras.Model`.
+        source_tokens: int `(B, S)`, 0 = padding; sources of different lengths are padded.
+        start_id: the `<SOS>` id fed first to the decoder.
+        end_id: the `<EOS>` id; a sequence stops once it produced it.
+        max_length: at most this many new tokens (`<EOS>` included).
+        method: `"greedy"` or `"beam"`.
+        beam_size: beams per source for beam search (beam_size=1 equals greedy).
+        length_penalty: α of the penalty `((5 + len) / 6)^α` that beam search divides the
+            log-probability by to rank finished hypotheses (0.6 in the paper's decoding).
+        return_scores: also return each sequence's log-probability (the sum of its tokens'
+            log-probabilities, `<EOS>` included; not length-penalised).
+        batch_size: decode the sources in chunks of this size (all at once by default).
+        verbose: show a progress bar over the chunks.
+
+    Returns:
+        NumPy int32 tokens `(B, L)` with `L ≤ max_length` (the longest sequence; after `<EOS>`
+        the tokens are padding, 0), and with `return_scores` the float32 log-probabilities `(B,)`.
+
+    Example:
+
+    >>> tokens = generate(model, source, start_id=1, end_id=2, max_length=30)  # doctest: +SKIP
+    """
+    parts = Seq2SeqParts.from_model(model)
+    vocab = parts.target_vocab_size
+    for name, value in (("start_id", start_id), ("end_id", end_id)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not (
+                0 <= value < vocab):
+            raise ValueError(f"`{name}` must be a token id in [0, {vocab}) (the target "
+                             f"vocabulary); received {name}={value!r}.")
+    if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1:
+        raise ValueError(f"`max_length` must be a positive integer; received {max_length!r}.")
+    if method not in ("greedy", "beam"):
+        raise ValueError(f'`method` must be "greedy" or "beam"; received {method!r}.')
+    if isinstance(beam_size, bool) or not isinstance(beam_size, int) or beam_size < 1:
+        raise ValueError(f"`beam_size` must be a positive integer; received {beam_size!r}.")
+    source_tokens = np.asarray(source_tokens)
+    if source_tokens.ndim != 2:
+        raise ValueError("`source_tokens` must be int token ids of shape (batch, length); "
+                         f"received shape {source_tokens.shape}.")
+    source_tokens = source_tokens.astype("int32")
+    start_id, end_id = int(start_id), int(end_id)
+
+    if method == "greedy":
+        key = ("greedy", start_id, end_id, max_length)
+
+        def search(source):
+            return _greedy_search(parts, source, start_id, end_id, max_length)
+    else:
+        key = ("beam", start_id, end_id, max_length, beam_size, float(length_penalty))
+
+        def search(source):
+            return _beam_search(parts, source, start_id, end_id, max_length, beam_size,
+                                float(length_penalty))
+
+    compiled = _COMPILED.setdefault(model, {})
+    if key not in compiled:
+        compiled[key] = _compile(model, search)
+    run = compiled[key]
+
+    chunk = batch_size or len(source_tokens)
+    starts = range(0, len(source_tokens), chunk)
+    progress = keras.utils.Progbar(len(starts)) if verbose else None
+    all_tokens, all_scores = [], []
+    for n, start in enumerate(starts):
+        tokens, scores = run(ops.convert_to_tensor(source_tokens[start:start + chunk]))
+        all_tokens.append(np.asarray(ops.convert_to_numpy(tokens)))
+        all_scores.append(np.asarray(ops.convert_to_numpy(scores), "float32"))
+        if progress is not None:
+            progress.update(n + 1)
+    tokens = np.concatenate(all_tokens, axis=0)
+    longest = int((tokens != PAD_ID).sum(axis=1).max(initial=0))
+    tokens = tokens[:, :max(longest, 1)]
+    if return_scores:
+        return tokens, np.concatenate(all_scores, axis=0)
+    return tokens

@@ -1,0 +1,198 @@
+"""KV-cached greedy and beam search (keras_tfm.generate)."""
+
+import keras
+import numpy as np
+import pytest
+from keras import ops
+
+from helpers import BACKEND, to_np
+from keras_tfm import build_transformer, generate
+from keras_tfm import generation
+from keras_tfm.generation import Seq2SeqParts
+
+SOS, EOS = 1, 2
+
+
+def small_model(norm_first=False, **kwargs):
+    return build_transformer(20, 22, d_model=32, num_heads=4, ff_dim=64, num_encoder_layers=2,
+                             num_decoder_layers=2, norm_first=norm_first, **kwargs)
+
+
+def sources(seed=0, batch=4, length=9):
+    rng = np.random.default_rng(seed)
+    src = rng.integers(3, 20, (batch, length)).astype("int32")
+    src[1, 5:] = 0
+    src[2, 2:] = 0
+    return src
+
+
+def np_log_softmax(x):
+    x = x - x.max(-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
+def reference_greedy(model, src, max_length):
+    """Full recomputation at every step (the keras.io example's loop), PAD never chosen."""
+    dec = np.full((len(src), 1), SOS, "int32")
+    scores = np.zeros(len(src))
+    done = np.zeros(len(src), bool)
+    for _ in range(max_length):
+        logits = to_np(model([src, dec]))[:, -1].astype("float64")
+        logits[:, 0] = -1e9
+        log_probs = np_log_softmax(logits)
+        chosen = log_probs.argmax(-1)
+        scores += np.where(done, 0.0, log_probs[np.arange(len(src)), chosen])
+        chosen = np.where(done, 0, chosen)
+        done |= chosen == EOS
+        dec = np.concatenate([dec, chosen[:, None].astype("int32")], axis=1)
+        if done.all():
+            break
+    return dec[:, 1:], scores
+
+
+@pytest.mark.parametrize("norm_first", [False, True])
+def test_cached_step_logits_equal_a_full_forward_pass(norm_first):
+    model = small_model(norm_first)
+    src = sources(1, batch=3)
+    dec = np.random.default_rng(2).integers(3, 22, (3, 7)).astype("int32")
+    dec[:, 0] = SOS
+    full = to_np(model([src, dec]))
+    parts = Seq2SeqParts.from_model(model)
+    memory, source_mask = parts.encode(src)
+    cross = parts.cross_attention_caches(memory)
+    caches = parts.empty_self_attention_caches(3, 7)
+    for i in range(7):
+        logits, caches = parts.decode_step(dec[:, i:i + 1], i, caches, cross, source_mask)
+        np.testing.assert_allclose(to_np(logits), full[:, i], atol=1e-4)
+
+
+@pytest.mark.parametrize("norm_first", [False, True])
+def test_greedy_equals_full_recomputation(norm_first):
+    model = small_model(norm_first)
+    src = sources(3)
+    tokens, scores = generate(model, src, SOS, EOS, max_length=8, return_scores=True)
+    expected, expected_scores = reference_greedy(model, src, 8)
+    np.testing.assert_array_equal(tokens, expected[:, :tokens.shape[1]])
+    assert (expected[:, tokens.shape[1]:] == 0).all()
+    np.testing.assert_allclose(scores, expected_scores, atol=1e-3)
+
+
+def test_beam_size_one_equals_greedy_and_beam_is_not_worse():
+    model = small_model()
+    src = sources(4, batch=6)
+    greedy, greedy_scores = generate(model, src, SOS, EOS, 10, return_scores=True)
+    one, one_scores = generate(model, src, SOS, EOS, 10, method="beam", beam_size=1,
+                               return_scores=True)
+    np.testing.assert_array_equal(one, greedy)
+    np.testing.assert_allclose(one_scores, greedy_scores, atol=1e-4)
+    beam, beam_scores = generate(model, src, SOS, EOS, 10, method="beam", beam_size=4,
+                                 return_scores=True)
+
+    def penalised(tokens, scores, alpha=0.6):
+        lengths = (tokens != 0).sum(1)
+        return scores / ((5.0 + lengths) / 6.0) ** alpha
+
+    assert (penalised(beam, beam_scores) >= penalised(greedy, greedy_scores) - 1e-4).all()
+    # The returned log-probability is the model's own for the returned tokens.
+    dec = np.concatenate([np.full((6, 1), SOS), beam], 1).astype("int32")
+    logits = to_np(model([src, dec[:, :-1]])).astype("float64")
+    logits[..., 0] = -1e9
+    log_probs = np.take_along_axis(np_log_softmax(logits), beam[..., None], -1)[..., 0]
+    np.testing.assert_allclose((log_probs * (beam != 0)).sum(1), beam_scores, atol=1e-3)
+
+
+@pytest.mark.parametrize("method", ["greedy", "beam"])
+def test_eos_stops_and_max_length_is_respected(method):
+    model = small_model()
+    src = sources(5, batch=5)
+    free = generate(model, src, SOS, EOS, 12, method=method)
+    assert free.shape[1] <= 12
+    # Take as end token the first token some sequence emits: it must stop right there.
+    end_id = int(free[0, 0])
+    tokens = generate(model, src, SOS, end_id, 12, method=method)
+    assert tokens.shape[1] <= 12
+    for row in tokens:
+        hits = np.flatnonzero(row == end_id)
+        if hits.size:
+            assert (row[hits[0] + 1:] == 0).all()
+            assert (row[:hits[0]] != 0).all()
+        else:
+            assert (row != 0).all() and len(row) == tokens.shape[1]
+    assert tokens[0, 0] == end_id and (tokens[0, 1:] == 0).all()
+    short = generate(model, src, SOS, EOS, 3, method=method)
+    assert short.shape[1] <= 3
+
+
+@pytest.mark.parametrize("method", ["greedy", "beam"])
+def test_batch_of_one_equals_the_same_source_in_a_batch(method):
+    model = small_model(norm_first=True)
+    src = sources(6, batch=5)
+    batch = generate(model, src, SOS, EOS, 8, method=method, beam_size=3)
+    for i in (1, 2):
+        alone = generate(model, src[i:i + 1, :int((src[i] != 0).sum())], SOS, EOS, 8,
+                         method=method, beam_size=3)
+        np.testing.assert_array_equal(alone[0], batch[i, :alone.shape[1]])
+        assert (batch[i, alone.shape[1]:] == 0).all()
+
+
+def test_hand_built_model_and_tied_embeddings_decode():
+    from test_model import build_by_hand
+
+    model = build_by_hand(20, 22, 16, 2, 32, 2)
+    src = sources(7)
+    tokens, scores = generate(model, src, SOS, EOS, 6, return_scores=True)
+    expected, expected_scores = reference_greedy(model, src, 6)
+    np.testing.assert_array_equal(tokens, expected[:, :tokens.shape[1]])
+    tied = small_model(tie_embeddings=True, positional="learned", max_length=16)
+    tokens = generate(tied, src, SOS, EOS, 6)
+    np.testing.assert_array_equal(tokens, reference_greedy(tied, src, 6)[0][:, :tokens.shape[1]])
+
+
+def test_compiled_once_per_settings_and_sees_new_weights(monkeypatch):
+    model = small_model()
+    src = sources(8)
+    traces = []
+    original = generation._greedy_search
+    monkeypatch.setattr(generation, "_greedy_search",
+                        lambda *args: traces.append(1) or original(*args))
+    first = generate(model, src, SOS, EOS, 6)
+    second = generate(model, src, SOS, EOS, 6)
+    np.testing.assert_array_equal(first, second)
+    if BACKEND in ("jax", "tensorflow"):
+        assert len(traces) == 1  # traced and compiled once, then reused
+    else:
+        assert len(traces) == 2  # torch runs the loop eagerly (under torch.no_grad)
+    # New weights are used without a stale compiled copy.
+    for weight in model.get_layer("logits").weights:
+        weight.assign(ops.zeros(weight.shape, weight.dtype))
+    bias = model.get_layer("logits").bias
+    bias.assign(ops.convert_to_tensor(np.eye(22)[5] * 10.0, bias.dtype))
+    np.testing.assert_array_equal(generate(model, src, SOS, EOS, 3), np.full((4, 3), 5))
+
+
+def test_chunks_with_progress_equal_one_batch():
+    model = small_model()
+    src = sources(9, batch=5)
+    whole = generate(model, src, SOS, EOS, 6)
+    chunked = generate(model, src, SOS, EOS, 6, batch_size=2, verbose=True)
+    np.testing.assert_array_equal(chunked[:, :whole.shape[1]], whole)
+
+
+def test_bad_input_is_a_clear_error():
+    model = small_model()
+    src = sources(10)
+    with pytest.raises(ValueError, match=r"start_id.*\[0, 22\).*start_id=22"):
+        generate(model, src, 22, EOS, 5)
+    with pytest.raises(ValueError, match="end_id=-1"):
+        generate(model, src, SOS, -1, 5)
+    with pytest.raises(ValueError, match="beam_size"):
+        generate(model, src, SOS, EOS, 5, method="beam", beam_size=0)
+    with pytest.raises(ValueError, match="max_length"):
+        generate(model, src, SOS, EOS, 0)
+    with pytest.raises(ValueError, match="method"):
+        generate(model, src, SOS, EOS, 5, method="sample")
+    with pytest.raises(ValueError, match=r"shape \(batch, length\)"):
+        generate(model, src[0], SOS, EOS, 5)
+    encoder_only = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    with pytest.raises(ValueError, match="not a keras_tfm encoder-decoder"):
+        generate(encoder_only, src, SOS, EOS, 5)
