@@ -12,6 +12,7 @@ from keras_tfm.blocks import TransformerDecoderBlock
 from keras_tfm.blocks import TransformerEncoderBlock
 from keras_tfm.embedding import TokenAndPositionEmbedding
 from keras_tfm.feedforward import FeedForward
+from keras_tfm.generation import Seq2SeqParts
 from keras_tfm.generation import generate
 from keras_tfm.losses import MaskedSparseCategoricalCrossentropy
 from keras_tfm.metrics import MaskedAccuracy

@@ -97,6 +97,23 @@ class Seq2SeqParts:
                                      attention._key_dim), dtype=block.compute_dtype))
         return caches
 
+    def cross_attention_weights(self, source_tokens, decoder_tokens):
+        """Cross-attention weights of every decoder block for teacher-forced decoder tokens.
+
+        Returns:
+            A list (one per decoder block) of `(B, num_heads, T, S)` weights: row t tells how
+            much target position t attends to each source token.
+        """
+        encoder_outputs, source_mask = self.encode(source_tokens)
+        x = self.decoder_embedding(decoder_tokens)
+        target_mask = masks_lib.padding_mask(decoder_tokens, PAD_ID)
+        weights = []
+        for block in self.decoder_blocks:
+            x, _, cross = block(x, encoder_outputs, return_attention_scores=True,
+                                inputs_mask=target_mask, encoder_outputs_mask=source_mask)
+            weights.append(cross)
+        return weights
+
     def decode_step(self, tokens, index, self_caches, cross_caches, source_mask):
         """Logits `(B, V)` (float32) of the tokens `(B, 1)` at position `index`, new caches."""
         x = self.decoder_embedding(tokens, start_index=index)

@@ -61,16 +61,7 @@ class MaskedSparseCategoricalCrossentropy(keras.losses.Loss):
 
     def __call__(self, y_true, y_pred, sample_weight=None):
         losses = self.call(y_true, y_pred)
-        if self.ignore_class is None:
-            weights = ops.ones_like(losses)
-        else:
-            weights = ops.cast(masks_lib.padding_mask(y_true, pad_id=self.ignore_class),
-                               "float32")
-        if sample_weight is not None:
-            sample_weight = ops.cast(sample_weight, "float32")
-            if len(sample_weight.shape) == 1:
-                sample_weight = sample_weight[:, None]
-            weights = weights * sample_weight
+        weights = masks_lib.target_weights(y_true, self.ignore_class, sample_weight)
         return ops.divide_no_nan(ops.sum(losses * weights), ops.sum(weights))
 
     def get_config(self):

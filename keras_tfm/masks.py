@@ -43,6 +43,22 @@ def padding_mask(token_ids, pad_id=0):
     return ops.not_equal(token_ids, pad_id)
 
 
+def target_weights(y_true, ignore_class=0, sample_weight=None):
+    """float32 weights `(B, T)` of target tokens: 1 for real tokens, 0 for `ignore_class`
+    (None counts every token), times `sample_weight` (`(B,)` or `(B, T)`) if given. Used by the
+    masked loss and accuracy."""
+    if ignore_class is None:
+        weights = ops.ones(ops.shape(y_true), "float32")
+    else:
+        weights = ops.cast(padding_mask(y_true, pad_id=ignore_class), "float32")
+    if sample_weight is not None:
+        sample_weight = ops.cast(sample_weight, "float32")
+        if len(sample_weight.shape) == 1:
+            sample_weight = sample_weight[:, None]
+        weights = weights * sample_weight
+    return weights
+
+
 def from_pad_indicator(pad_indicator):
     """Convert the seeds' PAD mask (1 = padding) to keras_tfm's (True = real token)."""
     return ops.logical_not(ops.cast(pad_indicator, "bool"))

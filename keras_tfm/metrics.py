@@ -30,15 +30,7 @@ class MaskedAccuracy(keras.metrics.Metric):
     def update_state(self, y_true, y_pred, sample_weight=None):
         y_true = ops.cast(y_true, "int32")
         predicted = ops.cast(ops.argmax(y_pred, axis=-1), "int32")
-        if self.ignore_class is None:
-            weights = ops.ones(ops.shape(y_true), "float32")
-        else:
-            weights = ops.cast(masks_lib.padding_mask(y_true, pad_id=self.ignore_class), "float32")
-        if sample_weight is not None:
-            sample_weight = ops.cast(sample_weight, "float32")
-            if len(sample_weight.shape) == 1:
-                sample_weight = sample_weight[:, None]
-            weights = weights * sample_weight
+        weights = masks_lib.target_weights(y_true, self.ignore_class, sample_weight)
         hits = ops.cast(ops.equal(predicted, y_true), "float32") * weights
         self.correct.assign_add(ops.sum(hits))
         self.count.assign_add(ops.sum(weights))

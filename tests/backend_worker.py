@@ -34,7 +34,7 @@ def small_model():
 
 
 def train_save(output_dir):
-    from toy_data import reverse_task
+    from reverse_task_data import reverse_task
 
     keras.utils.set_random_seed(0)
     src, dec_in, tgt = reverse_task(64, seed=1)

@@ -8,7 +8,7 @@ from helpers import jit_options, to_np
 from keras_tfm import (MaskedAccuracy, MaskedSparseCategoricalCrossentropy, TokenAndPositionEmbedding,
                        TransformerDecoderBlock, TransformerEncoderBlock, TransformerSchedule,
                        build_transformer)
-from toy_data import reverse_task
+from reverse_task_data import reverse_task
 
 SMALL = dict(d_model=16, num_heads=2, ff_dim=32, num_encoder_layers=2, num_decoder_layers=2)
 

@@ -10,7 +10,7 @@ import numpy as np
 from helpers import BACKEND, jit_options, to_np
 from keras_tfm import (MaskedAccuracy, MaskedSparseCategoricalCrossentropy, TransformerSchedule,
                        build_transformer, saving)
-from toy_data import reverse_task
+from reverse_task_data import reverse_task
 
 WORKER = os.path.join(os.path.dirname(__file__), "backend_worker.py")
 OTHER_BACKENDS = [b for b in ("jax", "tensorflow", "torch") if b != BACKEND]
