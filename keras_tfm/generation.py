@@ -34,7 +34,9 @@ class Seq2SeqParts:
       decoder's;
     * the `TransformerEncoderBlock` and `TransformerDecoderBlock` layers, in the order the model
       calls them;
-    * optional final normalizations named `encoder_norm` and `decoder_norm` (pre-LN models);
+    * optional final normalizations, which must be named `encoder_norm` and `decoder_norm`
+      (pre-LN models; another top-level `LayerNormalization` is a ValueError, as decoding
+      could not tell where it belongs);
     * the output projection: the `Dense` layer named `logits`, else the last `Dense` layer; with
       none, the decoder embedding's transposed matrix (tied embeddings).
 
@@ -68,6 +70,14 @@ class Seq2SeqParts:
             )
         dense = [layer for layer in layers if isinstance(layer, keras.layers.Dense)]
         projection = by_name.get("logits", dense[-1] if dense else None)
+        norms = [layer for layer in layers if isinstance(layer, keras.layers.LayerNormalization)]
+        unnamed = [n.name for n in norms if n.name not in ("encoder_norm", "decoder_norm")]
+        if unnamed:
+            raise ValueError(
+                f"Model {model.name!r} has final LayerNormalization layers {unnamed}: generation "
+                "recognises them only by the names 'encoder_norm' and 'decoder_norm' (as "
+                "build_transformer names them); rename them so decoding matches the model."
+            )
         return cls(embeddings[0], encoder_blocks, by_name.get("encoder_norm"), embeddings[1],
                    decoder_blocks, by_name.get("decoder_norm"), projection)
 
@@ -248,11 +258,14 @@ def _beam_search(parts, source, start_id, end_id, max_length, beam_size, alpha):
     state = (ops.convert_to_tensor(0, "int32"), alive_seq, alive_log_probs, caches,
              finished_seq, finished_scores, finished_log_probs, finished_flags)
     state = ops.while_loop(cond, body, state, maximum_iterations=max_length)
-    _, alive_seq, alive_log_probs, _, finished_seq, _, finished_log_probs, finished_flags = state
-    # A source with no finished hypothesis (max_length reached) returns its best alive beam.
-    has_finished = ops.any(finished_flags, axis=1)
-    tokens = ops.where(has_finished[:, None], finished_seq[:, 0], alive_seq[:, 0])
-    scores = ops.where(has_finished, finished_log_probs[:, 0], alive_log_probs[:, 0])
+    (steps, alive_seq, alive_log_probs, _, finished_seq, finished_scores, finished_log_probs,
+     _) = state
+    # The best alive beam (cut at max_length without <EOS>) competes with the best finished
+    # hypothesis on the same length-penalised score; with no finished one it wins outright.
+    alive_score = alive_log_probs[:, 0] / _length_penalty(steps, alpha)
+    take_alive = ops.greater(alive_score, finished_scores[:, 0])
+    tokens = ops.where(take_alive[:, None], alive_seq[:, 0], finished_seq[:, 0])
+    scores = ops.where(take_alive, alive_log_probs[:, 0], finished_log_probs[:, 0])
     return tokens[:, 1:], scores
 
 
@@ -304,16 +317,19 @@ def generate(model, source_tokens, start_id, end_id, max_length, method="greedy"
     Args:
         model: the encoder-decoder `keras.Model`.
         source_tokens: int `(B, S)`, 0 = padding; sources of different lengths are padded.
-        start_id: the `<SOS>` id fed first to the decoder.
-        end_id: the `<EOS>` id; a sequence stops once it produced it.
-        max_length: at most this many new tokens (`<EOS>` included).
+        start_id: the `<SOS>` id fed first to the decoder (not the padding id 0).
+        end_id: the `<EOS>` id; a sequence stops once it produced it. The padding id 0 is
+            never generated, so `end_id=0` decodes exactly `max_length` tokens (benchmarks).
+        max_length: at most this many new tokens (`<EOS>` included); with learned positions,
+            at most the decoder's `max_length`.
         method: `"greedy"` or `"beam"`.
-        beam_size: beams per source for beam search (beam_size=1 equals greedy).
-        length_penalty: α of the penalty `((5 + len) / 6)^α` that beam search divides the
-            log-probability by to rank finished hypotheses (0.6 in the paper's decoding).
+        beam_size: beams per source for beam search; `beam_size=1` runs greedy search.
+            `2 * beam_size` must not exceed the number of non-padding target tokens.
+        length_penalty: α ≥ 0 of the penalty `((5 + len) / 6)^α` that beam search divides the
+            log-probability by to rank hypotheses (0.6 in the paper's decoding).
         return_scores: also return each sequence's log-probability (the sum of its tokens'
             log-probabilities, `<EOS>` included; not length-penalised).
-        batch_size: decode the sources in chunks of this size (all at once by default).
+        batch_size: decode the sources in chunks of this size (None: all at once).
         verbose: show a progress bar over the chunks.
 
     Returns:
@@ -331,20 +347,40 @@ def generate(model, source_tokens, start_id, end_id, max_length, method="greedy"
                 0 <= value < vocab):
             raise ValueError(f"`{name}` must be a token id in [0, {vocab}) (the target "
                              f"vocabulary); received {name}={value!r}.")
+    if start_id == PAD_ID:
+        raise ValueError(f"`start_id` must not be the padding id {PAD_ID}; received "
+                         f"start_id={start_id!r}.")
     if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1:
         raise ValueError(f"`max_length` must be a positive integer; received {max_length!r}.")
+    embedding = parts.decoder_embedding
+    if embedding.positional == "learned" and max_length > embedding.max_length:
+        raise ValueError(
+            f"`max_length`={max_length} exceeds the decoder's learned position table "
+            f"(max_length={embedding.max_length}): step t is embedded at position t."
+        )
+    if not length_penalty >= 0:
+        raise ValueError(f"`length_penalty` must be >= 0; received {length_penalty!r}.")
+    if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(
+            batch_size, int) or batch_size < 1):
+        raise ValueError(f"`batch_size` must be a positive integer or None; received "
+                         f"{batch_size!r}.")
     if method not in ("greedy", "beam"):
         raise ValueError(f'`method` must be "greedy" or "beam"; received {method!r}.')
     if isinstance(beam_size, bool) or not isinstance(beam_size, int) or beam_size < 1:
         raise ValueError(f"`beam_size` must be a positive integer; received {beam_size!r}.")
+    if method == "beam" and 2 * beam_size > vocab - 1:
+        raise ValueError(
+            f"`beam_size`={beam_size} is too large for a target vocabulary of {vocab}: beam "
+            "search draws 2 * beam_size candidates among the non-padding tokens."
+        )
     source_tokens = np.asarray(source_tokens)
-    if source_tokens.ndim != 2:
+    if source_tokens.ndim != 2 or source_tokens.shape[0] == 0:
         raise ValueError("`source_tokens` must be int token ids of shape (batch, length); "
-                         f"received shape {source_tokens.shape}.")
+                         f"received shape {source_tokens.shape} (at least one source is needed).")
     source_tokens = source_tokens.astype("int32")
     start_id, end_id = int(start_id), int(end_id)
 
-    if method == "greedy":
+    if method == "greedy" or beam_size == 1:  # one beam is greedy search
         key = ("greedy", start_id, end_id, max_length)
 
         def search(source):

@@ -20,9 +20,11 @@ leaving nothing) gives zeros in the attention output; see `keras_tfm.attention`.
 import keras
 from keras import ops
 
-# Fill value for disallowed scores before the softmax. Finite and representable in float16
-# (a fill of -1e9 overflows to -inf in float16, and a row of -inf gives NaN).
-MASK_FILL_VALUE = -65504.0
+# Fill values for disallowed scores before the softmax: finite, so a row never becomes all -inf
+# (NaN). float16 gets its own most negative value (-1e9 would overflow to -inf there); wider
+# dtypes (the explicit attention path computes its softmax in float32) get -1e9.
+MASK_FILL_VALUE_FLOAT16 = -65504.0
+MASK_FILL_VALUE = -1e9
 
 
 def padding_mask(token_ids, pad_id=0):
@@ -172,8 +174,11 @@ def merge_masks(
 
 
 def apply_to_scores(scores, mask):
-    """Set disallowed attention scores to `MASK_FILL_VALUE` (mask broadcasts to scores)."""
-    return ops.where(mask, scores, ops.cast(MASK_FILL_VALUE, scores.dtype))
+    """Set disallowed attention scores to a large negative value that the scores' dtype holds
+    (`MASK_FILL_VALUE_FLOAT16` for float16, `MASK_FILL_VALUE` otherwise); mask broadcasts."""
+    dtype = keras.backend.standardize_dtype(scores.dtype)
+    fill = MASK_FILL_VALUE_FLOAT16 if dtype == "float16" else MASK_FILL_VALUE
+    return ops.where(mask, scores, ops.cast(fill, dtype))
 
 
 def keras_mask(x):

@@ -135,6 +135,14 @@ def test_batch_of_one_equals_the_same_source_in_a_batch(method):
         assert (batch[i, alone.shape[1]:] == 0).all()
 
 
+def test_unnamed_final_norm_is_refused():
+    model = small_model(norm_first=True)
+    inputs = model.inputs
+    renamed = keras.layers.LayerNormalization(name="final_norm")(model.outputs[0])
+    with pytest.raises(ValueError, match="final_norm.*'encoder_norm' and 'decoder_norm'"):
+        generate(keras.Model(inputs, renamed), sources(11), SOS, EOS, 4)
+
+
 def test_hand_built_model_and_tied_embeddings_decode():
     from test_model import build_by_hand
 
@@ -178,6 +186,45 @@ def test_chunks_with_progress_equal_one_batch():
     np.testing.assert_array_equal(chunked[:, :whole.shape[1]], whole)
 
 
+class FixedDistribution:
+    """A stand-in language model for the search alone: every step gives the same
+    next-token distribution over PAD, SOS, EOS, A, B (the search code only calls these)."""
+
+    def __init__(self, probabilities):
+        self.logits = np.log(np.asarray(probabilities, "float32"))
+
+    def encode(self, source):
+        return ops.zeros(tuple(source.shape) + (1,)), ops.ones(source.shape, "bool")
+
+    def cross_attention_caches(self, encoder_outputs):
+        return []
+
+    def empty_self_attention_caches(self, batch_size, max_length):
+        return [ops.zeros((batch_size, 1))]
+
+    def decode_step(self, tokens, index, caches, cross, source_mask):
+        logits = ops.tile(ops.convert_to_tensor(self.logits)[None], (tokens.shape[0], 1))
+        return logits, caches
+
+
+def test_beam_keeps_a_better_unfinished_beam_over_an_early_eos():
+    # p(A) = 0.95, p(EOS) = 0.03: stopping at once scores log 0.03 = -3.5, ten A's score
+    # 10 log 0.95 / ((5 + 10) / 6)^0.6 = -0.30, so the cut beam must win over the early EOS.
+    parts = FixedDistribution([1e-6, 1e-6, 0.03, 0.95, 0.02])
+    source = ops.ones((2, 3), "int32")
+    greedy, greedy_scores = generation._greedy_search(parts, source, SOS, EOS, 10)
+    np.testing.assert_array_equal(to_np(greedy), np.full((2, 10), 3))
+    for k in (1, 2):
+        tokens, scores = generation._beam_search(parts, source, SOS, EOS, 10, k, 0.6)
+        np.testing.assert_array_equal(to_np(tokens), np.full((2, 10), 3))
+        np.testing.assert_allclose(to_np(scores), to_np(greedy_scores), rtol=1e-4)
+    # With EOS far more likely, the one-token hypothesis wins.
+    parts = FixedDistribution([1e-6, 1e-6, 0.6, 0.3, 0.1])
+    tokens, _ = generation._beam_search(parts, source, SOS, EOS, 10, 2, 0.6)
+    np.testing.assert_array_equal(to_np(tokens)[:, 0], EOS)
+    assert (to_np(tokens)[:, 1:] == 0).all()
+
+
 def test_bad_input_is_a_clear_error():
     model = small_model()
     src = sources(10)
@@ -193,6 +240,17 @@ def test_bad_input_is_a_clear_error():
         generate(model, src, SOS, EOS, 5, method="sample")
     with pytest.raises(ValueError, match=r"shape \(batch, length\)"):
         generate(model, src[0], SOS, EOS, 5)
+    with pytest.raises(ValueError, match="start_id.*padding id"):
+        generate(model, src, 0, EOS, 5)
+    with pytest.raises(ValueError, match="length_penalty"):
+        generate(model, src, SOS, EOS, 5, method="beam", length_penalty=-1.0)
+    with pytest.raises(ValueError, match="beam_size.*11 is too large"):
+        generate(model, src, SOS, EOS, 5, method="beam", beam_size=11)
+    with pytest.raises(ValueError, match="batch_size"):
+        generate(model, src, SOS, EOS, 5, batch_size=0)
+    learned = small_model(positional="learned", max_length=6)
+    with pytest.raises(ValueError, match="max_length.*=7.*learned position table"):
+        generate(learned, src, SOS, EOS, 7)
     encoder_only = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
     with pytest.raises(ValueError, match="not a keras_tfm encoder-decoder"):
         generate(encoder_only, src, SOS, EOS, 5)

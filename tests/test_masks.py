@@ -81,9 +81,13 @@ def test_merge_masks_validates_shapes():
 
 
 def test_mask_fill_value_fits_float16():
-    assert np.isfinite(np.float16(masks.MASK_FILL_VALUE))
+    assert np.isfinite(np.float16(masks.MASK_FILL_VALUE_FLOAT16))
     scores = ops.convert_to_tensor(np.array([[1.0, 2.0, 3.0]], "float16"))
     filled = to_np(masks.apply_to_scores(scores, np.array([[True, False, True]])))
     assert filled.dtype == np.float16 and np.isfinite(filled).all()
     weights = to_np(ops.softmax(ops.cast(filled, "float32")))
     assert weights[0, 1] == 0.0
+    # float32 scores (the explicit path's softmax) get a fill far below any real score
+    scores32 = ops.convert_to_tensor(np.array([[-1e5, 0.0]], "float32"))
+    filled32 = to_np(masks.apply_to_scores(scores32, np.array([[True, False]])))
+    assert filled32[0, 1] < -1e8 and to_np(ops.softmax(filled32))[0, 0] == 1.0
