@@ -22,3 +22,26 @@ from keras_tfm.schedules import TransformerSchedule
 from keras_tfm.seq2seq import build_transformer
 
 __version__ = "0.1.0"
+
+__all__ = [
+    "CrossAttention",
+    "FeedForward",
+    "MaskedAccuracy",
+    "MaskedSparseCategoricalCrossentropy",
+    "MultiHeadSelfAttention",
+    "PositionEmbedding",
+    "Seq2SeqParts",
+    "SinusoidalPositionalEncoding",
+    "TokenAndPositionEmbedding",
+    "TransformerDecoderBlock",
+    "TransformerEncoderBlock",
+    "TransformerSchedule",
+    "build_transformer",
+    "generate",
+    "losses",
+    "masks",
+    "metrics",
+    "saving",
+    "scaled_dot_product_attention",
+    "schedules",
+]

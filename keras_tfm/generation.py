@@ -8,7 +8,6 @@ step runs the decoder on one new token only.
 """
 
 import dataclasses
-import math
 import weakref
 
 import keras

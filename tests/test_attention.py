@@ -4,7 +4,6 @@ import keras
 import numpy as np
 import pytest
 import torch
-from keras import ops
 
 from helpers import copy_attention_to_torch, np_attention, np_mha, run_layer_test, run_mixed_precision_test, to_np
 from keras_tfm import CrossAttention, MultiHeadSelfAttention, scaled_dot_product_attention
