@@ -63,6 +63,8 @@ def scaled_dot_product_attention(
     weights = None
     if use_fused:
         output = ops.dot_product_attention(query, key, value, mask=mask, scale=scale)
+        if row_has_key is not None:  # (the explicit path zeroes these rows' weights instead)
+            output = ops.where(row_has_key[:, :, None, None], output, ops.zeros_like(output))
     else:
         scores = ops.einsum("bthd,bshd->bhts", query, key)
         scores = ops.cast(scores, "float32") * scale
@@ -74,8 +76,6 @@ def scaled_dot_product_attention(
         weights = ops.cast(weights, value.dtype)
         attended = dropout(weights, training=training) if dropout_active else weights
         output = ops.einsum("bhts,bshd->bthd", attended, value)
-    if row_has_key is not None:
-        output = ops.where(row_has_key[:, :, None, None], output, ops.zeros_like(output))
     if return_weights:
         return output, weights
     return output
