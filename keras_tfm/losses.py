@@ -6,6 +6,25 @@ from keras import ops
 from keras_tfm import masks as masks_lib
 
 
+def _scale_for_replicas(loss):
+    """Divide by the replicas of a `tf.distribute` strategy, as Keras's own losses do.
+
+    Under `tf.distribute` each replica computes the loss of its share of the batch and the
+    gradients are summed across replicas, so Keras scales each replica's loss by
+    1 / num_replicas (and unscales the reported value). Our own reduction must do the same,
+    or gradients and reported losses come out num_replicas times too large. The result is the
+    mean over replicas of each replica's per-token mean: the global per-token mean when the
+    replicas hold equally many real tokens. Other backends and single-replica runs: unchanged.
+    """
+    if keras.backend.backend() == "tensorflow":
+        import tensorflow as tf
+
+        replicas = tf.distribute.get_strategy().num_replicas_in_sync
+        if replicas > 1:
+            loss = loss / replicas
+    return loss
+
+
 @keras.saving.register_keras_serializable(package="keras_tfm")
 class MaskedSparseCategoricalCrossentropy(keras.losses.Loss):
     """Sparse categorical cross-entropy averaged over real target tokens only.
@@ -62,7 +81,8 @@ class MaskedSparseCategoricalCrossentropy(keras.losses.Loss):
     def __call__(self, y_true, y_pred, sample_weight=None):
         losses = self.call(y_true, y_pred)
         weights = masks_lib.target_weights(y_true, self.ignore_class, sample_weight)
-        return ops.divide_no_nan(ops.sum(losses * weights), ops.sum(weights))
+        loss = ops.divide_no_nan(ops.sum(losses * weights), ops.sum(weights))
+        return _scale_for_replicas(loss)
 
     def get_config(self):
         config = super().get_config()
