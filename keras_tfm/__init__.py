@@ -1,23 +1,18 @@
 """keras_tfm: Keras 3 layers for the encoder-decoder transformer."""
 
-from keras_tfm import losses
-from keras_tfm import masks
-from keras_tfm import metrics
-from keras_tfm import saving
-from keras_tfm import schedules
-from keras_tfm.attention import CrossAttention
-from keras_tfm.attention import MultiHeadSelfAttention
-from keras_tfm.attention import scaled_dot_product_attention
-from keras_tfm.blocks import TransformerDecoderBlock
-from keras_tfm.blocks import TransformerEncoderBlock
+from keras_tfm import distribution, losses, masks, metrics, saving, schedules
+from keras_tfm.attention import (
+    CrossAttention,
+    MultiHeadSelfAttention,
+    scaled_dot_product_attention,
+)
+from keras_tfm.blocks import TransformerDecoderBlock, TransformerEncoderBlock
 from keras_tfm.embedding import TokenAndPositionEmbedding
 from keras_tfm.feedforward import FeedForward
-from keras_tfm.generation import Seq2SeqParts
-from keras_tfm.generation import generate
+from keras_tfm.generation import Seq2SeqParts, generate
 from keras_tfm.losses import MaskedSparseCategoricalCrossentropy
 from keras_tfm.metrics import MaskedAccuracy
-from keras_tfm.positional import PositionEmbedding
-from keras_tfm.positional import SinusoidalPositionalEncoding
+from keras_tfm.positional import PositionEmbedding, SinusoidalPositionalEncoding
 from keras_tfm.schedules import TransformerSchedule
 from keras_tfm.seq2seq import build_transformer
 
@@ -37,6 +32,7 @@ __all__ = [
     "TransformerEncoderBlock",
     "TransformerSchedule",
     "build_transformer",
+    "distribution",
     "generate",
     "losses",
     "masks",
