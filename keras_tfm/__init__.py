@@ -7,6 +7,7 @@ from keras_tfm.attention import (
     scaled_dot_product_attention,
 )
 from keras_tfm.blocks import TransformerDecoderBlock, TransformerEncoderBlock
+from keras_tfm.dropout import Dropout
 from keras_tfm.embedding import TokenAndPositionEmbedding
 from keras_tfm.feedforward import FeedForward
 from keras_tfm.generation import Seq2SeqParts, generate
@@ -20,6 +21,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CrossAttention",
+    "Dropout",
     "FeedForward",
     "MaskedAccuracy",
     "MaskedSparseCategoricalCrossentropy",

@@ -12,6 +12,7 @@ from keras import ops
 from keras_tfm import masks as masks_lib
 from keras_tfm._checks import clone_initializer
 from keras_tfm._checks import check_dropout, check_positive_int, check_rank, check_same_batch
+from keras_tfm.dropout import Dropout
 
 _SERIALIZABLE = keras.saving.register_keras_serializable(package="keras_tfm")
 
@@ -154,7 +155,7 @@ class _MultiHeadAttentionBase(keras.layers.Layer):
         self.key_dense.build(context_shape)
         self.value_dense.build(context_shape)
         self.output_dense.build((query_shape[0], query_shape[1], heads, self._value_dim))
-        self.dropout_layer = keras.layers.Dropout(self.dropout, dtype=self.dtype_policy,
+        self.dropout_layer = Dropout(self.dropout, dtype=self.dtype_policy,
                                                   name="attention_dropout")
 
     def _project_context(self, context):

@@ -11,6 +11,7 @@ import keras
 from keras_tfm import masks as masks_lib
 from keras_tfm._checks import check_dropout, check_positive_int, check_rank, check_same_batch
 from keras_tfm.attention import CrossAttention, MultiHeadSelfAttention
+from keras_tfm.dropout import Dropout
 from keras_tfm.feedforward import FeedForward
 
 _SERIALIZABLE = keras.saving.register_keras_serializable(package="keras_tfm")
@@ -25,6 +26,7 @@ class _TransformerBlockBase(keras.layers.Layer):
         ff_dim,
         dropout=0.1,
         attention_dropout=None,
+        activation_dropout=None,
         activation="relu",
         norm_first=False,
         layer_norm_epsilon=1e-5,
@@ -38,6 +40,8 @@ class _TransformerBlockBase(keras.layers.Layer):
         self.dropout = check_dropout("dropout", dropout)
         self.attention_dropout = None if attention_dropout is None else check_dropout(
             "attention_dropout", attention_dropout)
+        self.activation_dropout = None if activation_dropout is None else check_dropout(
+            "activation_dropout", activation_dropout)
         self.activation = keras.activations.get(activation)
         self.norm_first = bool(norm_first)
         self.layer_norm_epsilon = float(layer_norm_epsilon)
@@ -68,11 +72,12 @@ class _TransformerBlockBase(keras.layers.Layer):
         return norm
 
     def _dropout(self, name):
-        return keras.layers.Dropout(self.dropout, dtype=self.dtype_policy, name=name)
+        return Dropout(self.dropout, dtype=self.dtype_policy, name=name)
 
     def _build_feed_forward(self, input_shape):
-        self.feed_forward = FeedForward(self.ff_dim, activation=self.activation,
-                                        dropout=self.dropout, **self._common("feed_forward"))
+        rate = self.dropout if self.activation_dropout is None else self.activation_dropout
+        self.feed_forward = FeedForward(self.ff_dim, activation=self.activation, dropout=rate,
+                                        **self._common("feed_forward"))
         self.feed_forward.build(input_shape)
         self.feed_forward_norm = self._norm("feed_forward_norm", input_shape)
         self.feed_forward_dropout = self._dropout("feed_forward_dropout")
@@ -96,6 +101,7 @@ class _TransformerBlockBase(keras.layers.Layer):
             "ff_dim": self.ff_dim,
             "dropout": self.dropout,
             "attention_dropout": self.attention_dropout,
+            "activation_dropout": self.activation_dropout,
             "activation": keras.activations.serialize(self.activation),
             "norm_first": self.norm_first,
             "layer_norm_epsilon": self.layer_norm_epsilon,
@@ -111,9 +117,13 @@ class TransformerEncoderBlock(_TransformerBlockBase):
     Args:
         num_heads: attention heads; must divide `d_model`.
         ff_dim: hidden width of the feed-forward network.
-        dropout: rate of the residual dropout, of the feed-forward's hidden dropout and (unless
-            `attention_dropout` is given) of the attention weights.
+        dropout: rate of the residual dropout and, unless given separately below, of the
+            attention weights and of the feed-forward's hidden units (as in
+            `torch.nn.TransformerEncoderLayer`).
         attention_dropout: rate on the attention weights; defaults to `dropout`.
+        activation_dropout: rate on the feed-forward's hidden units; defaults to `dropout`
+            (0 gives the paper's and keras_hub's placement: residuals and embeddings only,
+            plus the attention weights unless `attention_dropout=0`).
         activation: feed-forward activation (ReLU in the paper).
         norm_first: False for post-LN (the paper), True for pre-LN.
         layer_norm_epsilon: epsilon of the layer normalizations.

@@ -4,6 +4,7 @@ import keras
 
 from keras_tfm._checks import clone_initializer
 from keras_tfm._checks import check_dropout, check_positive_int, check_rank
+from keras_tfm.dropout import Dropout
 
 _SERIALIZABLE = keras.saving.register_keras_serializable(package="keras_tfm")
 
@@ -57,7 +58,7 @@ class FeedForward(keras.layers.Layer):
         d_model = input_shape[-1]
         self.intermediate_dense = self._dense(self.ff_dim, "intermediate_dense", self.activation)
         self.intermediate_dense.build(input_shape)
-        self.dropout_layer = keras.layers.Dropout(self.dropout, dtype=self.dtype_policy,
+        self.dropout_layer = Dropout(self.dropout, dtype=self.dtype_policy,
                                                   name="dropout")
         self.output_dense = self._dense(d_model, "output_dense")
         self.output_dense.build(tuple(input_shape[:-1]) + (self.ff_dim,))

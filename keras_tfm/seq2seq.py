@@ -6,6 +6,7 @@ import keras
 
 from keras_tfm._checks import check_dropout, check_positive_int
 from keras_tfm.blocks import TransformerDecoderBlock, TransformerEncoderBlock
+from keras_tfm.dropout import Dropout
 from keras_tfm.embedding import TokenAndPositionEmbedding
 
 
@@ -18,6 +19,8 @@ def build_transformer(
     num_encoder_layers=6,
     num_decoder_layers=6,
     dropout=0.1,
+    attention_dropout=None,
+    activation_dropout=None,
     norm_first=False,
     max_length=None,
     positional="sinusoidal",
@@ -39,6 +42,9 @@ def build_transformer(
         ff_dim: hidden width of the feed-forward networks.
         num_encoder_layers, num_decoder_layers: N of each stack (≥ 1).
         dropout: dropout rate (embeddings, residuals, attention weights, feed-forward).
+        attention_dropout, activation_dropout: rates on the attention weights and on the
+            feed-forward's hidden units, when they should differ from `dropout` (see
+            `TransformerEncoderBlock`).
         norm_first: False for post-LN (the paper), True for pre-LN.
         max_length: longest sequence; required for `positional="learned"`.
         positional: `"sinusoidal"` or `"learned"`.
@@ -66,6 +72,8 @@ def build_transformer(
         raise ValueError(f"d_model={d_model} is not divisible by num_heads={num_heads}.")
     embedding_kwargs = dict(d_model=d_model, max_length=max_length, positional=positional)
     block_kwargs = dict(num_heads=num_heads, ff_dim=ff_dim, dropout=dropout,
+                        attention_dropout=attention_dropout,
+                        activation_dropout=activation_dropout,
                         norm_first=norm_first)
 
     encoder_tokens = keras.Input((None,), dtype="int32", name="encoder_tokens")
@@ -73,7 +81,7 @@ def build_transformer(
 
     x = TokenAndPositionEmbedding(src_vocab_size, name="encoder_embedding",
                                   **embedding_kwargs)(encoder_tokens)
-    x = keras.layers.Dropout(dropout, name="encoder_embedding_dropout")(x)
+    x = Dropout(dropout, name="encoder_embedding_dropout")(x)
     for i in range(num_encoder_layers):
         x = TransformerEncoderBlock(name=f"encoder_block_{i}", **block_kwargs)(x)
     if norm_first:
@@ -82,7 +90,7 @@ def build_transformer(
     target_embedding = TokenAndPositionEmbedding(tgt_vocab_size, name="decoder_embedding",
                                                  **embedding_kwargs)
     y = target_embedding(decoder_tokens)
-    y = keras.layers.Dropout(dropout, name="decoder_embedding_dropout")(y)
+    y = Dropout(dropout, name="decoder_embedding_dropout")(y)
     for i in range(num_decoder_layers):
         y = TransformerDecoderBlock(name=f"decoder_block_{i}", **block_kwargs)(y, x)
     if norm_first:

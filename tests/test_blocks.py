@@ -169,7 +169,7 @@ def _encoder():
 
 def _decoder():
     return TransformerDecoderBlock(num_heads=2, ff_dim=16, dropout=0.1, attention_dropout=0.0,
-                                   activation="gelu")
+                                   activation_dropout=0.2, activation="gelu")
 
 
 def test_encoder_block_contract():
@@ -200,5 +200,18 @@ def test_block_errors_name_what_was_wrong():
         TransformerDecoderBlock(num_heads=2, ff_dim=8)(random((1, 3, 8)), random((1, 4, 12)))
     with pytest.raises(ValueError, match="attention_dropout"):
         TransformerEncoderBlock(num_heads=2, ff_dim=8, attention_dropout=-1)
+    with pytest.raises(ValueError, match="activation_dropout"):
+        TransformerEncoderBlock(num_heads=2, ff_dim=8, activation_dropout=1.5)
     with pytest.raises(ValueError, match="rank 3"):
         TransformerEncoderBlock(num_heads=2, ff_dim=8)(random((3, 8)))
+
+
+def test_dropout_rates_reach_each_sublayer():
+    block = _decoder()
+    block(random((2, 4, 8)), random((2, 6, 8)))
+    assert block.self_attention.dropout == 0.0 and block.cross_attention.dropout == 0.0
+    assert block.feed_forward.dropout == 0.2
+    assert block.self_attention_dropout.rate == 0.1 and block.feed_forward_dropout.rate == 0.1
+    encoder = _encoder()
+    encoder(random((2, 4, 8)))
+    assert encoder.self_attention.dropout == 0.1 and encoder.feed_forward.dropout == 0.1

@@ -1,0 +1,86 @@
+"""keras_tfm.Dropout: two elements per random draw, the same statistics as inverted dropout."""
+
+import keras
+import numpy as np
+import pytest
+
+from helpers import BACKEND, to_np
+from keras_tfm.dropout import Dropout, effective_rate
+
+
+def test_effective_rate_rounds_up_to_a_multiple_of_1_over_2048():
+    assert effective_rate(0.1) == 205 / 2048
+    assert effective_rate(0.5) == 0.5
+    assert effective_rate(0.0) == 0.0
+
+
+@pytest.mark.parametrize("rate", [0.1, 0.3])
+def test_drop_probability_scale_and_independence(rate):
+    layer = Dropout(rate, seed=3)
+    x = np.ones((64, 128, 256), "float32")  # 2M elements
+    y = to_np(layer(x, training=True))
+    dropped = y == 0
+    p = effective_rate(rate)
+    sigma = np.sqrt(p * (1 - p) / dropped.size)
+    assert abs(dropped.mean() - p) < 5 * sigma
+    # Both halves of the last axis (the two numbers taken from one draw) drop at that rate,
+    # and independently of each other.
+    first, second = dropped[..., :128], dropped[..., 128:]
+    assert abs(first.mean() - p) < 5 * sigma * np.sqrt(2)
+    assert abs(second.mean() - p) < 5 * sigma * np.sqrt(2)
+    both = (first & second).mean()
+    assert abs(both - p * p) < 5 * np.sqrt(p * p * (1 - p * p) / first.size)
+    # Kept elements are scaled so that the expectation is unchanged.
+    np.testing.assert_allclose(y[~dropped], 1 / (1 - p), rtol=1e-6)
+    assert abs(y.mean() - 1.0) < 5 * sigma / (1 - p)
+    # Neighbouring positions are not correlated either.
+    np.testing.assert_allclose((dropped[:, :, :-1] & dropped[:, :, 1:]).mean(), p * p,
+                               atol=5 * sigma)
+
+
+def test_new_mask_per_call_identity_without_training_and_config():
+    layer = Dropout(0.2, seed=1)
+    x = np.ones((4, 8, 16), "float32")
+    a, b = to_np(layer(x, training=True)), to_np(layer(x, training=True))
+    assert not np.array_equal(a == 0, b == 0)
+    np.testing.assert_array_equal(to_np(layer(x, training=False)), x)
+    np.testing.assert_array_equal(to_np(Dropout(0.0)(x, training=True)), x)
+    clone = Dropout.from_config(layer.get_config())
+    assert (clone.rate, clone.seed) == (0.2, 1)
+    with pytest.raises(ValueError, match="rate"):
+        Dropout(1.0)
+
+
+def test_odd_width_falls_back_to_keras_dropout():
+    x = np.ones((64, 64, 33), "float32")
+    y = to_np(Dropout(0.25, seed=2)(x, training=True))
+    assert abs((y == 0).mean() - 0.25) < 0.01
+    np.testing.assert_allclose(y[y != 0], 1 / 0.75, rtol=1e-6)
+
+
+def test_gradient_is_the_mask_times_the_scale():
+    layer = Dropout(0.3, seed=5)
+    x = keras.ops.convert_to_tensor(np.random.default_rng(0).random((8, 16, 32), "float32"))
+    if BACKEND == "jax":
+        import jax
+
+        state = [v.value for v in layer.non_trainable_variables]  # the seed generator's
+        grad = jax.grad(lambda v: keras.ops.sum(
+            layer.stateless_call([], state, v, training=True)[0]))(x)
+        y = layer.stateless_call([], state, x, training=True)[0]
+    elif BACKEND == "tensorflow":
+        import tensorflow as tf
+
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = layer(x, training=True)
+            total = keras.ops.sum(y)
+        grad = tape.gradient(total, x)
+    else:
+        x.requires_grad_(True)
+        y = layer(x, training=True)
+        keras.ops.sum(y).backward()
+        grad = x.grad
+    y, grad = to_np(y), to_np(grad)
+    p = effective_rate(0.3)
+    np.testing.assert_allclose(grad, np.where(y != 0, 1 / (1 - p), 0.0), rtol=1e-6)
