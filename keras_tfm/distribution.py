@@ -17,7 +17,7 @@ import keras
 
 # Every keras_tfm weight is found by the stable names of the layers that own it. A prefix
 # `(?:.*/)?` lets the layers sit at any depth (a block inside a model, a model inside a model);
-# Keras matches layout keys with `re.fullmatch`, so each pattern must cover the whole path.
+# each pattern covers a whole path (`get_layout_map` anchors them).
 _ANY_PARENT = r"(?:.*/)?"
 # Attention layers: `self_attention` / `cross_attention` inside the blocks, and the default
 # names of stand-alone `MultiHeadSelfAttention` / `CrossAttention` layers.
@@ -97,7 +97,8 @@ def get_layout_map(device_mesh, model_dim="model", data_dim="batch"):
         raise ValueError(f"model_dim and data_dim must differ; both are {model_dim!r}.")
     layout_map = keras.distribution.LayoutMap(device_mesh)
     for pattern, axes in layout_rules(model_dim):
-        layout_map[pattern] = axes
+        # Anchored: Keras >= 3.14 matches keys with re.fullmatch, older releases with re.search.
+        layout_map["^" + pattern + "$"] = axes
     return layout_map
 
 
