@@ -1,0 +1,506 @@
+"""Training throughput side by side: keras_tfm against keras_hub, Keras MultiHeadAttention and
+torch.nn.Transformer, on the same random padded batches, in one process per backend.
+
+    python benchmarks/train_throughput.py --backend jax --config small [--json out.json]
+    python benchmarks/train_throughput.py --all [--output-dir benchmarks/results]   # 3 x 2 runs
+    python benchmarks/train_throughput.py --report   # tables + train_throughput.png from those
+
+The same encoder-decoder transformer (post-LN, ReLU feed-forward, scaled embeddings plus
+sinusoidal positions, 2 + 2 layers, dropout 0.1 where keras_hub puts it: on the embeddings, the
+attention weights and each sublayer's output) is built four ways:
+
+* keras_tfm: `keras_tfm.build_transformer(..., dropout=0.1, activation_dropout=0)` (no
+  dropout inside the feed-forward network, which keras_hub does not have);
+* keras_hub: `keras_hub.layers.TransformerEncoder` / `TransformerDecoder` +
+  `keras.layers.Embedding` + `keras_hub.layers.SinePositionEncoding`;
+* Keras MHA: `keras.layers.MultiHeadAttention` + `LayerNormalization` + `Dense`, composed as a
+  user would (padding masks as `query_mask` / `value_mask`, `use_causal_mask=True`);
+* torch.nn (under torch only): `torch.nn.Transformer(batch_first=True)` + `nn.Embedding` + the
+  same positions, `CrossEntropyLoss(ignore_index=0)` and a plain Adam loop (its layers also
+  drop out inside the feed-forward network; torch cannot turn that off alone).
+
+The Keras models train with `model.fit` (Adam, keras_tfm's masked loss, `compile()` defaults,
+so `jit_compile="auto"`: XLA under JAX; under TensorFlow Keras turns XLA off on a machine with
+no GPU, so a tf.function graph; eager under torch). All models are built
+and warmed up first, then timed in turns (repeat 1 of every model, repeat 2 of every model, ...)
+so that the machine's slow spells fall on all alike. Reported: training tokens per second,
+counting source + target positions of the padded batches (B x (S + T) per step), median over
+the repeats; the ratio of keras_tfm to each peer; the model's
+matmul FLOPs per step (forward x 3) and the FLOP/s they reach, as a fraction of this backend's
+fp32 matmul peak measured in the same run; and the matmul bound: the time each of the model's
+matmul shapes takes on this backend (measured here, forward shapes, x 3), summed.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+CONFIGS = {
+    "small": dict(d_model=128, num_heads=4, ff_dim=512, layers=2, length=32, batch=64,
+                  vocab=1000, warmup=3, steps=6, repeats=7),
+    "base": dict(d_model=512, num_heads=8, ff_dim=2048, layers=2, length=64, batch=16,
+                 vocab=1000, warmup=2, steps=3, repeats=5),
+}
+BACKENDS = ("jax", "tensorflow", "torch")
+DROPOUT = 0.1
+POOL = 8  # distinct batches, cycled
+
+
+def make_batches(cfg, seed=0):
+    """`POOL` batches of source tokens, decoder inputs and targets, each row padded (0) after a
+    random length between half and the full length."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    n, length, vocab = POOL * cfg["batch"], cfg["length"], cfg["vocab"]
+
+    def padded(lengths):
+        tokens = rng.integers(1, vocab, (n, length))
+        tokens[np.arange(length)[None] >= lengths[:, None]] = 0
+        return tokens.astype("int32")
+
+    src = padded(rng.integers(length // 2, length + 1, n))
+    # length + 1 target tokens: decoder inputs are the first `length`, targets the last.
+    length += 1
+    tgt = padded(rng.integers(length // 2, length + 1, n))
+    return src, tgt[:, :-1], tgt[:, 1:]
+
+
+def matmul_flops(cfg):
+    """Forward matmul FLOPs of one batch, and the GEMM shapes (M, K, N, batch, flops)."""
+    b, s, d, f, v, h = (cfg[k] for k in ("batch", "length", "d_model", "ff_dim", "vocab",
+                                         "num_heads"))
+    t, n, dk = s, cfg["layers"], cfg["d_model"] // cfg["num_heads"]
+    shapes = []
+
+    def gemm(m, k, n_, count=1, batch=1):
+        shapes.append((m, k, n_, batch, count * 2 * m * k * n_ * batch))
+
+    rows = b * s
+    for _ in range(n):  # encoder blocks
+        gemm(rows, d, d, count=4)          # q, k, v, output projections
+        gemm(s, dk, s, batch=b * h)       # scores
+        gemm(s, s, dk, batch=b * h)       # weights @ values
+        gemm(rows, d, f)                   # feed-forward in
+        gemm(rows, f, d)                   # feed-forward out
+    for _ in range(n):  # decoder blocks
+        gemm(b * t, d, d, count=4)         # self-attention projections
+        gemm(t, dk, t, batch=b * h)
+        gemm(t, t, dk, batch=b * h)
+        gemm(b * t, d, d, count=2)         # cross-attention q and output
+        gemm(rows, d, d, count=2)          # cross-attention k, v (encoder side)
+        gemm(t, dk, s, batch=b * h)
+        gemm(t, s, dk, batch=b * h)
+        gemm(b * t, d, f)
+        gemm(b * t, f, d)
+    gemm(b * t, d, v)                      # logits
+    return sum(x[-1] for x in shapes), shapes
+
+
+# ---------------------------------------------------------------------------------------------
+# Models
+
+
+def sinusoidal_table(length, d_model):
+    import numpy as np
+
+    position = np.arange(length)[:, None]
+    rates = 1.0 / 10000 ** (np.arange(0, d_model, 2) / d_model)
+    table = np.zeros((length, d_model), "float32")
+    table[:, 0::2], table[:, 1::2] = np.sin(position * rates), np.cos(position * rates)
+    return table
+
+
+def build_keras_tfm(cfg):
+    import keras_tfm
+
+    return keras_tfm.build_transformer(
+        cfg["vocab"], cfg["vocab"], d_model=cfg["d_model"], num_heads=cfg["num_heads"],
+        ff_dim=cfg["ff_dim"], num_encoder_layers=cfg["layers"],
+        num_decoder_layers=cfg["layers"], dropout=DROPOUT, activation_dropout=0.0)
+
+
+def _inputs():
+    import keras
+
+    return (keras.Input((None,), dtype="int32", name="encoder_tokens"),
+            keras.Input((None,), dtype="int32", name="decoder_tokens"))
+
+
+def build_keras_hub(cfg):
+    import keras
+    import keras_hub
+    from keras import ops
+
+    d = cfg["d_model"]
+    enc_tokens, dec_tokens = _inputs()
+
+    def embed(tokens):
+        x = keras.layers.Embedding(cfg["vocab"], d)(tokens) * (d ** 0.5)
+        x = x + keras_hub.layers.SinePositionEncoding()(x)
+        return keras.layers.Dropout(DROPOUT)(x)
+
+    enc_mask, dec_mask = ops.not_equal(enc_tokens, 0), ops.not_equal(dec_tokens, 0)
+    x = embed(enc_tokens)
+    for _ in range(cfg["layers"]):
+        x = keras_hub.layers.TransformerEncoder(cfg["ff_dim"], cfg["num_heads"],
+                                                dropout=DROPOUT)(x, padding_mask=enc_mask)
+    y = embed(dec_tokens)
+    for _ in range(cfg["layers"]):
+        y = keras_hub.layers.TransformerDecoder(cfg["ff_dim"], cfg["num_heads"],
+                                                dropout=DROPOUT)(
+            y, x, decoder_padding_mask=dec_mask, encoder_padding_mask=enc_mask)
+    logits = keras.layers.Dense(cfg["vocab"])(y)
+    return keras.Model([enc_tokens, dec_tokens], logits)
+
+
+def build_keras_mha(cfg):
+    import keras
+    from keras import ops
+
+    d, heads = cfg["d_model"], cfg["num_heads"]
+    enc_tokens, dec_tokens = _inputs()
+    table = sinusoidal_table(cfg["length"], d)
+
+    def embed(tokens):
+        x = keras.layers.Embedding(cfg["vocab"], d)(tokens) * (d ** 0.5)
+        x = x + table[None, : cfg["length"]]
+        return keras.layers.Dropout(DROPOUT)(x)
+
+    def residual(x, sublayer_output):
+        return keras.layers.LayerNormalization(epsilon=1e-5)(
+            x + keras.layers.Dropout(DROPOUT)(sublayer_output))
+
+    def feed_forward(x):
+        return keras.layers.Dense(d)(keras.layers.Dense(cfg["ff_dim"], activation="relu")(x))
+
+    def attention():
+        return keras.layers.MultiHeadAttention(heads, d // heads, dropout=DROPOUT)
+
+    enc_mask, dec_mask = ops.not_equal(enc_tokens, 0), ops.not_equal(dec_tokens, 0)
+    x = embed(enc_tokens)
+    for _ in range(cfg["layers"]):
+        x = residual(x, attention()(x, x, query_mask=enc_mask, value_mask=enc_mask))
+        x = residual(x, feed_forward(x))
+    y = embed(dec_tokens)
+    for _ in range(cfg["layers"]):
+        y = residual(y, attention()(y, y, query_mask=dec_mask, value_mask=dec_mask,
+                                    use_causal_mask=True))
+        y = residual(y, attention()(y, x, query_mask=dec_mask, value_mask=enc_mask))
+        y = residual(y, feed_forward(y))
+    logits = keras.layers.Dense(cfg["vocab"])(y)
+    return keras.Model([enc_tokens, dec_tokens], logits)
+
+
+KERAS_MODELS = {"keras_tfm": build_keras_tfm, "keras_hub": build_keras_hub,
+                "keras_mha": build_keras_mha}
+
+
+def keras_runner(build, cfg, batches, jit_compile="auto"):
+    """A compiled, warmed-up Keras model; returns `run(offset)` (cfg["steps"] training steps
+    of `model.fit`) and the parameter count."""
+    import keras
+
+    import keras_tfm
+
+    keras.utils.set_random_seed(0)
+    model = build(cfg)
+    model.compile(optimizer=keras.optimizers.Adam(1e-4),
+                  loss=keras_tfm.MaskedSparseCategoricalCrossentropy(),
+                  jit_compile=jit_compile)
+    src, dec_in, tgt = batches
+    b = cfg["batch"]
+
+    def fit(steps, offset=0):
+        rows = [(offset + i) % POOL for i in range(steps)]
+        idx = [r * b + j for r in rows for j in range(b)]
+        model.fit([src[idx], dec_in[idx]], tgt[idx], batch_size=b, epochs=1, shuffle=False,
+                  verbose=0)
+
+    fit(cfg["warmup"])
+    return (lambda offset: fit(cfg["steps"], offset)), model.count_params()
+
+
+def torch_native_runner(cfg, batches):
+    """torch.nn.Transformer with a plain Adam loop; returns `run(offset)` and the parameters."""
+    import numpy as np
+    import torch
+
+    torch.manual_seed(0)
+    d, v = cfg["d_model"], cfg["vocab"]
+
+    class Seq2Seq(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.src_embedding = torch.nn.Embedding(v, d)
+            self.tgt_embedding = torch.nn.Embedding(v, d)
+            self.register_buffer("positions", torch.as_tensor(
+                sinusoidal_table(cfg["length"], d)))
+            self.dropout = torch.nn.Dropout(DROPOUT)
+            self.transformer = torch.nn.Transformer(
+                d, cfg["num_heads"], cfg["layers"], cfg["layers"], cfg["ff_dim"], DROPOUT,
+                batch_first=True)
+            self.logits = torch.nn.Linear(d, v)
+
+        def embed(self, embedding, tokens):
+            x = embedding(tokens) * d ** 0.5 + self.positions[: tokens.shape[1]]
+            return self.dropout(x)
+
+        def forward(self, src, tgt):
+            t = tgt.shape[1]
+            causal = torch.nn.Transformer.generate_square_subsequent_mask(t, dtype=torch.bool)
+            src_pad, tgt_pad = src == 0, tgt == 0
+            h = self.transformer(self.embed(self.src_embedding, src),
+                                 self.embed(self.tgt_embedding, tgt), tgt_mask=causal,
+                                 src_key_padding_mask=src_pad, tgt_key_padding_mask=tgt_pad,
+                                 memory_key_padding_mask=src_pad, tgt_is_causal=True)
+            return self.logits(h)
+
+    model = Seq2Seq().train()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
+    loss_fn = torch.nn.CrossEntropyLoss(ignore_index=0)
+    src, dec_in, tgt = (torch.as_tensor(np.asarray(a, "int64")) for a in batches)
+    b = cfg["batch"]
+
+    def step(i):
+        rows = slice((i % POOL) * b, (i % POOL + 1) * b)
+        logits = model(src[rows], dec_in[rows])
+        loss = loss_fn(logits.reshape(-1, v), tgt[rows].reshape(-1))
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+
+    for i in range(cfg["warmup"]):
+        step(i)
+
+    def run(offset):
+        for i in range(cfg["steps"]):
+            step(offset + i)
+
+    return run, sum(p.numel() for p in model.parameters())
+
+
+def time_interleaved(runners, cfg):
+    """Seconds per step of each runner: the repeats go round the runners in turn, so a slow
+    spell of the machine falls on all of them alike; median per runner."""
+    times = {name: [] for name in runners}
+    for r in range(cfg["repeats"]):
+        for name, run in runners.items():
+            start = time.perf_counter()
+            run(r)
+            times[name].append((time.perf_counter() - start) / cfg["steps"])
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+# ---------------------------------------------------------------------------------------------
+# Matmul rates on this backend
+
+
+def matmul_rate(m, k, n, batch=1, repeats=5):
+    """FLOP/s of a (batch,) m x k @ k x n fp32 matmul through keras.ops, compiled as Keras
+    compiles the models (jax.jit; tf.function, with XLA only on a GPU; torch eager), median of
+    repeats."""
+    import keras
+    import numpy as np
+
+    backend = keras.backend.backend()
+    shape_a = (batch, m, k) if batch > 1 else (m, k)
+    shape_b = (batch, k, n) if batch > 1 else (k, n)
+    a = keras.ops.convert_to_tensor(np.random.default_rng(0).random(shape_a, "float32"))
+    b = keras.ops.convert_to_tensor(np.random.default_rng(1).random(shape_b, "float32"))
+    if backend == "jax":
+        import jax
+
+        f = jax.jit(keras.ops.matmul)
+
+        def run():
+            f(a, b).block_until_ready()
+    elif backend == "tensorflow":
+        import tensorflow as tf
+
+        # As Keras compiles the models: XLA only with a GPU (jit_compile="auto").
+        f = tf.function(keras.ops.matmul,
+                        jit_compile=bool(tf.config.list_physical_devices("GPU")))
+
+        def run():
+            f(a, b).numpy()
+    else:
+        import torch
+
+        def run():
+            with torch.no_grad():
+                keras.ops.matmul(a, b)
+    flops = 2 * m * k * n * batch
+    run()
+    times = []
+    inner = max(1, int(2e8 // flops))  # ~0.1 s per timing at least for tiny shapes
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(inner):
+            run()
+        times.append((time.perf_counter() - start) / inner)
+    return flops / statistics.median(times)
+
+
+def matmul_bound(cfg):
+    """Seconds per training step if every matmul ran at the rate this backend reaches at its
+    shape (forward shapes measured, x 3 for forward + two backward matmuls); and the peak."""
+    flops, shapes = matmul_flops(cfg)
+    rates = {}
+    seconds = 0.0
+    for m, k, n, batch, f in shapes:
+        key = (m, k, n, batch)
+        if key not in rates:
+            rates[key] = matmul_rate(m, k, n, batch)
+        seconds += 3 * f / rates[key]
+    peak = max(matmul_rate(2048, 2048, 2048), max(rates.values()))
+    return 3 * flops, seconds, peak, {f"{m}x{k}@{k}x{n}" + (f" x{b}" if b > 1 else ""): r
+                                      for (m, k, n, b), r in rates.items()}
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def run(backend, config, models=None):
+    os.environ["KERAS_BACKEND"] = backend
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    import keras
+
+    cfg = CONFIGS[config]
+    batches = make_batches(cfg)
+    tokens = cfg["batch"] * 2 * cfg["length"]
+    results = {"backend": backend, "config": config, "cfg": cfg, "models": {},
+               "keras": keras.__version__, "date": time.strftime("%Y-%m-%d")}
+    names = models or [*KERAS_MODELS, *(["torch_native"] if backend == "torch" else [])]
+    runners, params = {}, {}
+    for name in names:  # built, compiled and warmed up first; timed together below
+        if name == "torch_native":
+            runners[name], params[name] = torch_native_runner(cfg, batches)
+        else:
+            runners[name], params[name] = keras_runner(KERAS_MODELS[name], cfg, batches)
+    for name, seconds in time_interleaved(runners, cfg).items():
+        results["models"][name] = {"step_s": seconds, "tokens_per_s": tokens / seconds,
+                                   "params": params[name]}
+        print(f"{backend:10s} {config:5s} {name:12s} {tokens / seconds:10,.0f} tokens/s  "
+              f"{seconds * 1000:8.1f} ms/step  {params[name]:,} params", flush=True)
+    train_flops, bound_s, peak, rates = matmul_bound(cfg)
+    results.update(train_flops=train_flops, bound_s=bound_s, peak_flops=peak, rates=rates)
+    ours = results["models"].get("keras_tfm")
+    if ours:
+        for name, r in results["models"].items():
+            r["keras_tfm_speedup"] = ours["tokens_per_s"] / r["tokens_per_s"]
+            if name != "keras_tfm":
+                print(f"keras_tfm / {name}: {r['keras_tfm_speedup']:.2f}x")
+        peers = [results["models"][n]["tokens_per_s"] for n in ("keras_hub", "keras_mha")
+                 if n in results["models"]]
+        if peers:
+            results["vs_faster_keras_peer"] = ours["tokens_per_s"] / max(peers)
+        results["achieved_flops"] = train_flops / ours["step_s"]
+        results["fraction_of_peak"] = results["achieved_flops"] / peak
+        results["step_over_bound"] = ours["step_s"] / bound_s
+        print(f"keras_tfm / faster Keras peer: {results.get('vs_faster_keras_peer', 0):.2f}x; "
+              f"{train_flops / 1e9:.1f} GFLOP/step, {results['achieved_flops'] / 1e9:.1f} "
+              f"GFLOP/s = {results['fraction_of_peak']:.0%} of the {peak / 1e9:.1f} GFLOP/s "
+              f"matmul peak; matmul bound {bound_s * 1000:.1f} ms/step, keras_tfm step = "
+              f"{results['step_over_bound']:.2f}x bound", flush=True)
+    return results
+
+
+def report(output_dir):
+    """Markdown tables of every results file in `output_dir` and a PNG of the throughputs."""
+    import glob
+
+    results = {}
+    for path in sorted(glob.glob(os.path.join(output_dir, "train_*_*.json"))):
+        with open(path) as f:
+            r = json.load(f)
+        results[(r["config"], r["backend"])] = r
+    names = ["keras_tfm", "keras_hub", "keras_mha", "torch_native"]
+    peers = names[1:]
+    lines = ["| config | backend | " + " | ".join(names) + " | "
+             + " | ".join(f"keras_tfm ÷ {n}" for n in peers) + " | keras_tfm ÷ faster Keras peer |",
+             "|---|---|" + "---|" * (len(names) + len(peers) + 1)]
+    bound = [("| config | backend | matmul GFLOP/step | matmul peak GFLOP/s | keras_tfm GFLOP/s "
+              "(% of peak) | matmul bound ms/step | keras_tfm ms/step | step ÷ bound |"),
+             "|---|---|---|---|---|---|---|---|"]
+    for (config, backend), r in sorted(results.items(), key=lambda kv: (kv[0][0] != "small",
+                                                                         kv[0][1])):
+        cells = [f"{r['models'][n]['tokens_per_s']:,.0f}" if n in r["models"] else "–"
+                 for n in names]
+        ratios = [f"{r['models'][n]['keras_tfm_speedup']:.2f}×" if n in r["models"] else "–"
+                  for n in peers]
+        lines.append(f"| {config} | {backend} | " + " | ".join(cells) + " | "
+                     + " | ".join(ratios) + f" | {r['vs_faster_keras_peer']:.2f}× |")
+        ours = r["models"]["keras_tfm"]
+        bound.append(f"| {config} | {backend} | {r['train_flops'] / 1e9:.1f} | "
+                     f"{r['peak_flops'] / 1e9:.0f} | {r['achieved_flops'] / 1e9:.0f} "
+                     f"({r['fraction_of_peak']:.0%}) | {r['bound_s'] * 1000:.0f} | "
+                     f"{ours['step_s'] * 1000:.0f} | {r['step_over_bound']:.2f}× |")
+    print("\n".join(lines) + "\n\n" + "\n".join(bound))
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot")
+        return
+    configs = [c for c in ("small", "base") if any(k[0] == c for k in results)]
+    fig, axes = plt.subplots(1, len(configs), figsize=(6 * len(configs), 4), squeeze=False)
+    for ax, config in zip(axes[0], configs):
+        width = 0.2
+        for i, name in enumerate(names):
+            values = [results[(config, b)]["models"].get(name, {}).get("tokens_per_s", 0)
+                      if (config, b) in results else 0 for b in BACKENDS]
+            ax.bar([j + (i - 1.5) * width for j in range(len(BACKENDS))], values, width,
+                   label=name)
+        ax.set_xticks(range(len(BACKENDS)), BACKENDS)
+        ax.set_ylabel("training tokens/s (source + target)")
+        ax.set_title(f"{config} config")
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=len(names))
+    fig.tight_layout(rect=(0, 0.08, 1, 1))
+    path = os.path.join(output_dir, "train_throughput.png")
+    fig.savefig(path, dpi=110)
+    print(f"\nplot: {path}")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--backend", choices=BACKENDS)
+    parser.add_argument("--config", choices=sorted(CONFIGS), default="small")
+    parser.add_argument("--models", nargs="*", help="a subset of " + ", ".join(
+        [*KERAS_MODELS, "torch_native"]))
+    parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--all", action="store_true",
+                        help="every backend and config, each in its own process")
+    parser.add_argument("--output-dir", default=os.path.join(os.path.dirname(__file__),
+                                                             "results"))
+    parser.add_argument("--report", action="store_true",
+                        help="tables and a PNG plot from the results in --output-dir")
+    args = parser.parse_args()
+    if args.report:
+        report(args.output_dir)
+        return
+    if args.all:
+        os.makedirs(args.output_dir, exist_ok=True)
+        for config in ("small", "base"):
+            for backend in BACKENDS:
+                out = os.path.join(args.output_dir, f"train_{backend}_{config}.json")
+                subprocess.run([sys.executable, __file__, "--backend", backend, "--config",
+                                config, "--json", out], check=True)
+        return
+    if not args.backend:
+        parser.error("--backend (or --all) is required")
+    results = run(args.backend, args.config, args.models)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

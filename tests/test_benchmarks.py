@@ -1,0 +1,46 @@
+"""The benchmark harness counts what it claims (no timing here: speed is measured in benchmarks/)."""
+
+import os
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                "benchmarks"))
+
+import train_throughput as tt  # noqa: E402
+
+TINY = dict(d_model=16, num_heads=2, ff_dim=32, layers=2, length=6, batch=4, vocab=30,
+            warmup=1, steps=1, repeats=1)
+
+
+def test_matmul_flops_by_hand():
+    # base: per token, encoder layer 4d² + 2·d·ff + attention 2·S·d; decoder layer 6d² (q, o,
+    # self k/v) + 2d² (cross k, v) + 2·d·ff + attention 2·(T + S)·d; logits d·V; x 2 for FLOPs.
+    b, s, d, f, v = 16, 64, 512, 2048, 1000
+    encoder = 4 * d * d + 2 * d * f + 2 * s * d
+    decoder = 8 * d * d + 2 * d * f + 2 * (s + s) * d
+    expected = 2 * b * s * (2 * encoder + 2 * decoder + d * v)
+    total, shapes = tt.matmul_flops(tt.CONFIGS["base"])
+    assert total == expected
+    assert round(3 * total / 1e9, 1) == 95.8  # the README's GFLOP per training step
+    assert (1024, 512, 2048, 1, 2 * 1024 * 512 * 2048) in shapes
+
+
+def test_batches_are_padded_and_shifted():
+    src, dec_in, tgt = tt.make_batches(TINY)
+    n = tt.POOL * TINY["batch"]
+    assert src.shape == dec_in.shape == tgt.shape == (n, TINY["length"])
+    for tokens in (src, np.concatenate([dec_in, tgt[:, -1:]], axis=1)):
+        lengths = (tokens != 0).sum(1)
+        assert lengths.min() >= tokens.shape[1] // 2 and len(set(lengths)) > 1
+        # right padding: no real token after a pad
+        assert all((row[np.argmin(row != 0):] == 0).all() for row in tokens if (row == 0).any())
+    np.testing.assert_array_equal(dec_in[:, 1:], tgt[:, :-1])  # targets = inputs shifted by one
+
+
+def test_keras_tfm_and_the_keras_mha_model_are_the_same_size():
+    tfm, mha = tt.build_keras_tfm(TINY), tt.build_keras_mha(TINY)
+    assert tfm.count_params() == mha.count_params()
+    src, dec_in, _ = tt.make_batches(TINY)
+    assert tfm([src[:2], dec_in[:2]]).shape == mha([src[:2], dec_in[:2]]).shape == (2, 6, 30)
