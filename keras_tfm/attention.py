@@ -156,7 +156,7 @@ class _MultiHeadAttentionBase(keras.layers.Layer):
         self.value_dense.build(context_shape)
         self.output_dense.build((query_shape[0], query_shape[1], heads, self._value_dim))
         self.dropout_layer = Dropout(self.dropout, dtype=self.dtype_policy,
-                                                  name="attention_dropout")
+                                     name="attention_dropout")
 
     def _project_context(self, context):
         """Keys and values `(B, S, H, d)` of `context`."""

@@ -58,8 +58,7 @@ class FeedForward(keras.layers.Layer):
         d_model = input_shape[-1]
         self.intermediate_dense = self._dense(self.ff_dim, "intermediate_dense", self.activation)
         self.intermediate_dense.build(input_shape)
-        self.dropout_layer = Dropout(self.dropout, dtype=self.dtype_policy,
-                                                  name="dropout")
+        self.dropout_layer = Dropout(self.dropout, dtype=self.dtype_policy, name="dropout")
         self.output_dense = self._dense(d_model, "output_dense")
         self.output_dense.build(tuple(input_shape[:-1]) + (self.ff_dim,))
 

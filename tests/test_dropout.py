@@ -23,9 +23,9 @@ def test_drop_probability_scale_and_independence(rate):
     p = effective_rate(rate)
     sigma = np.sqrt(p * (1 - p) / dropped.size)
     assert abs(dropped.mean() - p) < 5 * sigma
-    # Both halves of the last axis (the two numbers taken from one draw) drop at that rate,
-    # and independently of each other.
-    first, second = dropped[..., :128], dropped[..., 128:]
+    # Both numbers taken from one draw (neighbours 2j and 2j + 1) drop at that rate, and
+    # independently of each other.
+    first, second = dropped[..., 0::2], dropped[..., 1::2]
     assert abs(first.mean() - p) < 5 * sigma * np.sqrt(2)
     assert abs(second.mean() - p) < 5 * sigma * np.sqrt(2)
     both = (first & second).mean()
@@ -33,8 +33,10 @@ def test_drop_probability_scale_and_independence(rate):
     # Kept elements are scaled so that the expectation is unchanged.
     np.testing.assert_allclose(y[~dropped], 1 / (1 - p), rtol=1e-6)
     assert abs(y.mean() - 1.0) < 5 * sigma / (1 - p)
-    # Neighbouring positions are not correlated either.
-    np.testing.assert_allclose((dropped[:, :, :-1] & dropped[:, :, 1:]).mean(), p * p,
+    # Nor are elements of different draws, nor the same element along other axes.
+    np.testing.assert_allclose((dropped[..., 1:-1:2] & dropped[..., 2::2]).mean(), p * p,
+                               atol=5 * sigma * np.sqrt(2))
+    np.testing.assert_allclose((dropped[:, :-1] & dropped[:, 1:]).mean(), p * p,
                                atol=5 * sigma)
 
 
@@ -84,3 +86,25 @@ def test_gradient_is_the_mask_times_the_scale():
     y, grad = to_np(y), to_np(grad)
     p = effective_rate(0.3)
     np.testing.assert_allclose(grad, np.where(y != 0, 1 / (1 - p), 0.0), rtol=1e-6)
+
+
+@pytest.mark.parametrize("floatx", ["float16", "bfloat16"])
+def test_random_bits_do_not_depend_on_floatx(floatx):
+    keras.config.set_floatx(floatx)
+    try:
+        x = np.ones((64, 64, 256), floatx if floatx == "float16" else "float32")
+        y = to_np(Dropout(0.1, seed=4)(keras.ops.cast(x, floatx), training=True))
+    finally:
+        keras.config.set_floatx("float32")
+    dropped = y == 0
+    p = effective_rate(0.1)
+    for half in (dropped[..., 0::2], dropped[..., 1::2]):
+        assert abs(half.mean() - p) < 0.01
+
+
+def test_rates_that_rounding_would_move_use_keras_dropout():
+    x = np.ones((64, 64, 256), "float32")
+    for rate in (0.01, 0.9999):
+        y = to_np(Dropout(rate, seed=6)(x, training=True))  # no division by zero at 0.9999
+        np.testing.assert_allclose((y == 0).mean(), rate, atol=0.003)
+        np.testing.assert_allclose(y[y != 0], 1 / (1 - rate), rtol=1e-5)
