@@ -95,6 +95,8 @@ def torch_train(rank, world_size, args, result_path=None):
 
     keras.utils.set_random_seed(args.seed)  # DDP also broadcasts rank 0's weights
     source, target = toy_data.make_dataset(args.num_samples, seed=args.seed)
+    split = int(0.9 * len(source))  # the training rows of the Keras runs (no validation here)
+    source, target = source[:split], target[:split]
     steps = len(source) // args.batch_size  # full global batches only
     model = toy_translation.build_model(args.quick)  # its Keras optimizer stays unused
     trained = DistributedDataParallel(model) if world_size > 1 else model
@@ -118,7 +120,8 @@ def torch_train(rank, world_size, args, result_path=None):
             loss = loss_fn(tensor(target[rows, 1:]), logits)
             optimizer.zero_grad()
             loss.backward()
-            torch.nn.utils.clip_grad_norm_(trained.parameters(), 1.0)
+            for parameter in trained.parameters():  # per weight, as Keras's clipnorm=1.0
+                torch.nn.utils.clip_grad_norm_(parameter, 1.0)
             optimizer.step()
             lr_schedule.step()
             total += loss.detach()
@@ -140,7 +143,14 @@ def torch_train(rank, world_size, args, result_path=None):
             with open(result_path, "w") as f:
                 json.dump(result, f)
     if world_size > 1:
-        dist.destroy_process_group()
+        if rank == 0 and "RANK" in os.environ:  # under torchrun: report before leaving
+            print(f"DDP over {world_size} processes: loss per epoch "
+                  f"{' '.join(f'{v:.4f}' for v in losses)}, exact {result['exact']:.2%}")
+        sys.stdout.flush()
+        # End the rank without tearing the process group down: that can deadlock (seen here:
+        # ~ProcessGroupGloo, run while the DDP reducer is freed, joins a Gloo thread waiting for
+        # the GIL). Every collective has completed and rank 0 has written its results.
+        os._exit(0)
     return result
 
 
@@ -152,12 +162,7 @@ def run_torch(args):
     import torch
 
     if "RANK" in os.environ:  # started by torchrun: this process is one rank of the group
-        world_size = int(os.environ["WORLD_SIZE"])
-        result = torch_train(int(os.environ["RANK"]), world_size, args)
-        if int(os.environ["RANK"]) == 0:
-            print(f"DDP over {world_size} processes: loss per epoch "
-                  f"{' '.join(f'{v:.4f}' for v in result['losses'])}, exact {result['exact']:.2%}")
-        return result
+        return torch_train(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), args)
     single = torch_train(0, 1, args)
     report("one process", 1, single["losses"], single["exact"], single["seconds"])
     world_size = torch.cuda.device_count() or args.devices
@@ -241,6 +246,9 @@ def main(argv=None):
         _, data_parallel = run(f"DataParallel over {len(devices)}",
                                distribution=keras.distribution.DataParallel(devices=devices))
         model_axis = args.model_parallel
+        if model_axis < 1 or len(devices) % model_axis:
+            raise SystemExit(f"--model-parallel {model_axis} does not divide the {len(devices)} "
+                             "devices.")
         mesh = keras.distribution.DeviceMesh((len(devices) // model_axis, model_axis),
                                              ("batch", "model"), devices)
         layout_map = keras_tfm.distribution.get_layout_map(mesh)

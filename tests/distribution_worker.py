@@ -193,7 +193,11 @@ def torch_rank(rank, world_size, output_dir):
     with open(os.path.join(output_dir, f"rank{rank}_of{world_size}.json"), "w") as f:
         json.dump({"losses": losses, "ddp": world_size > 1}, f)
     if world_size > 1:
-        dist.destroy_process_group()
+        # End the rank here, without tearing the process group down: tearing it down can
+        # deadlock (seen in CI: ~ProcessGroupGloo, run while the DDP reducer is freed, joins a
+        # Gloo thread that waits for the GIL to free a finished all-reduce's tensors). Every
+        # collective has completed and the results are on disk.
+        os._exit(0)
 
 
 def torch_checks(output_dir):
