@@ -94,6 +94,8 @@ def test_layout_map_leaves_other_weights_alone():
     for v in model.weights:
         assert layout_map[v.path] is None, v.path
     # Keras matches with re.fullmatch: a pattern must not reach into longer names.
+    # The patterns are names: a Dense named "logits" is the output projection to them.
+    assert layout_map["head/logits/kernel"].axes == ("model", None)
     for path in ("encoder_block_0/self_attention/query/kernel_extra",
                  "my_self_attention/query/kernel", "xlogits/kernel",
                  "encoder_block_0/self_attention/query/bias",
@@ -155,11 +157,14 @@ def test_backend_engine_trains_on_two_devices(tmp_path):
             assert r["mp_shard_shapes"][path] == halved, path
         # 4 embedding tables, 6 kernels per encoder block, 10 per decoder block, the logits.
         assert sum(expected_axes(p) is not None for p in r["mp_specs"]) == 21
+        owned = 0
         for path, spec in r["mp_optimizer_specs"].items():  # Adam moments follow their weight
             weight = re.sub(r"^adam(_\d+)?/|_(momentum|velocity)$", "", path)
             owner = [p for p in r["mp_specs"] if p.replace("/", "_") == weight]
             if owner:
                 assert spec == r["mp_specs"][owner[0]], path
+                owned += 1
+        assert owned == 2 * len(r["mp_specs"])  # a momentum and a velocity for every weight
         np.testing.assert_allclose(r["mp_losses"], r["reference_losses"], **close)
         assert r["mp_before_gap"] < 1e-4 and r["mp_after_gap"] < 1e-4
         # Saved under ModelParallel, reloaded without a distribution: one device, same outputs.
