@@ -3,11 +3,12 @@
 On the CPU, random numbers are a large part of a transformer's training step: with dropout
 0.1 everywhere (embeddings, attention weights, feed-forward hidden units, residuals) the
 small benchmark's JAX step took 229 ms against 164 ms with dropout off, most of it in the
-`threefry` generator behind `keras.random.dropout` (benchmarks/README.md). A float32 uniform number carries 23 or more random
-bits; its top 11 bits and the rest are independent uniform numbers, so one draw decides two
-elements. The rate is rounded up to a multiple of 1/2048 (0.1 → 0.10010) so that both halves
-drop with exactly that probability, and kept elements are scaled by 1 / (1 − that rate): the
-expectation is unchanged, as with `keras.layers.Dropout`.
+`threefry` generator behind `keras.random.dropout` (benchmarks/README.md). A float32 uniform
+number carries 23 or more random bits; its top 11 bits and the rest are independent uniform
+numbers, so one draw decides two neighbouring elements. The rate is rounded up to a multiple of
+1/2048 (0.1 → 0.10010) so that both numbers drop with exactly that probability, and kept
+elements are scaled by 1 / (1 − that rate): the expectation is unchanged, as with
+`keras.layers.Dropout`.
 """
 
 import math
