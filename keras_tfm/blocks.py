@@ -61,9 +61,13 @@ class _TransformerBlockBase(keras.layers.Layer):
         return dict(kernel_initializer=self.kernel_initializer,
                     bias_initializer=self.bias_initializer, dtype=self.dtype_policy, name=name)
 
+    def _rate(self, override):
+        """A sublayer's dropout rate: its own when given, else `dropout`."""
+        return self.dropout if override is None else override
+
     def _attention(self, cls, name, **kwargs):
-        rate = self.dropout if self.attention_dropout is None else self.attention_dropout
-        return cls(num_heads=self.num_heads, dropout=rate, **kwargs, **self._common(name))
+        return cls(num_heads=self.num_heads, dropout=self._rate(self.attention_dropout),
+                   **kwargs, **self._common(name))
 
     def _norm(self, name, input_shape):
         norm = keras.layers.LayerNormalization(epsilon=self.layer_norm_epsilon,
@@ -75,8 +79,8 @@ class _TransformerBlockBase(keras.layers.Layer):
         return Dropout(self.dropout, dtype=self.dtype_policy, name=name)
 
     def _build_feed_forward(self, input_shape):
-        rate = self.dropout if self.activation_dropout is None else self.activation_dropout
-        self.feed_forward = FeedForward(self.ff_dim, activation=self.activation, dropout=rate,
+        self.feed_forward = FeedForward(self.ff_dim, activation=self.activation,
+                                        dropout=self._rate(self.activation_dropout),
                                         **self._common("feed_forward"))
         self.feed_forward.build(input_shape)
         self.feed_forward_norm = self._norm("feed_forward_norm", input_shape)

@@ -54,6 +54,10 @@ class Dropout(keras.layers.Layer):
         self.rate = check_dropout("rate", rate)
         self.seed = seed
         self.seed_generator = keras.random.SeedGenerator(seed) if self.rate > 0 else None
+        self._effective_rate = effective_rate(self.rate)
+        # Pairs only where rounding moves the rate by at most 1% (and never to 1).
+        self._pairs = (self._effective_rate < 1.0
+                       and self._effective_rate - self.rate <= 0.01 * self.rate)
         self.supports_masking = True
         self.built = True
 
@@ -61,10 +65,10 @@ class Dropout(keras.layers.Layer):
         if not training or self.rate == 0:
             return inputs
         width = inputs.shape[-1]
-        rate = effective_rate(self.rate)
-        if (width is None or width % 2 or rate >= 1.0 or rate - self.rate > 0.01 * self.rate
+        if (not self._pairs or width is None or width % 2
                 or (keras.backend.backend() == "torch" and self.seed is None)):
             return keras.random.dropout(inputs, self.rate, seed=self.seed_generator)
+        rate = self._effective_rate
         shape = tuple(ops.shape(inputs)[:-1]) + (width // 2,)
         # float32 whatever `floatx` is: the split below needs the uniform's 23 random bits.
         scaled = keras.random.uniform(shape, dtype="float32", seed=self.seed_generator) * _STEPS
