@@ -18,15 +18,12 @@ Reported: milliseconds per step (median of repeats after a warm-up) and, where t
 reports it (GPUs), the peak device memory of the step.
 """
 
-import argparse
-import json
 import os
 import statistics
-import subprocess
-import sys
 import time
 
-BACKENDS = ("jax", "tensorflow", "torch")
+import per_backend
+
 LENGTHS = (64, 128, 256, 512, 1024)
 BATCH, D_MODEL, HEADS, REPEATS = 8, 256, 4, 5
 
@@ -124,28 +121,5 @@ def run(backend):
             "batch": BATCH, "d_model": D_MODEL, "heads": HEADS, "rows": rows}
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--backend", choices=BACKENDS)
-    parser.add_argument("--json")
-    parser.add_argument("--all", action="store_true", help="every backend, one process each")
-    parser.add_argument("--output-dir", default=os.path.join(os.path.dirname(__file__),
-                                                             "results"))
-    args = parser.parse_args()
-    if args.all:
-        os.makedirs(args.output_dir, exist_ok=True)
-        for backend in BACKENDS:
-            subprocess.run([sys.executable, __file__, "--backend", backend, "--json",
-                            os.path.join(args.output_dir, f"attention_{backend}.json")],
-                           check=True)
-        return
-    if not args.backend:
-        parser.error("--backend (or --all) is required")
-    results = run(args.backend)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
-
-
 if __name__ == "__main__":
-    main()
+    per_backend.main(run, __doc__, "attention", __file__)

@@ -1,43 +1,88 @@
-"""Inverted dropout that draws one random number for every two elements.
+"""Inverted dropout with cheaper random numbers than `keras.random.dropout`.
 
 On the CPU, random numbers are a large part of a transformer's training step: with dropout
 0.1 everywhere (embeddings, attention weights, feed-forward hidden units, residuals) the
-small benchmark's JAX step took 229 ms against 164 ms with dropout off, most of it in the
-`threefry` generator behind `keras.random.dropout` (benchmarks/README.md). A float32 uniform
-number carries 23 or more random bits; its top 11 bits and the rest are independent uniform
-numbers, so one draw decides two neighbouring elements. The rate is rounded up to a multiple of
-1/2048 (0.1 → 0.10010) so that both numbers drop with exactly that probability, and kept
-elements are scaled by 1 / (1 − that rate): the expectation is unchanged, as with
-`keras.layers.Dropout`.
+small benchmark's JAX step took 229 ms against 164 ms with dropout off (benchmarks/README.md).
+Two ways to draw less:
+
+* Under JAX, the mask comes from Threefry-2x32 — the generator behind `jax.random`, keyed by
+  the layer's `SeedGenerator` as Keras keys `jax.random` — written here with `keras.ops` so
+  that XLA fuses it into one elementwise kernel with the comparison and the scaling. (JAX's
+  own CPU lowering runs Threefry's rounds as a loop over whole arrays in memory: 0.84 ms for
+  the forward and backward pass of one (64, 32, 128) dropout against 0.23 ms here.) Elements
+  2j and 2j + 1 take the two 32-bit words of counter j; an element is dropped when its word is
+  below `rate · 2³²` (rounded up), so the rate is exact to 2⁻³².
+* Under TensorFlow and torch, one float32 uniform number decides two neighbouring elements:
+  its top 11 bits and the rest are independent uniform numbers. The rate is rounded up to a
+  multiple of 1/2048 (0.1 → 0.10010) so that both numbers drop with exactly that probability.
+
+Either way the kept elements are scaled by 1 / (1 − the applied rate): the expectation is
+unchanged, as with `keras.layers.Dropout`.
 """
 
 import math
 
 import keras
+import numpy as np
 from keras import ops
 
 from keras_tfm._checks import check_dropout
 
-_BITS = 11  # resolution of each of the two numbers taken from one uniform draw
-_STEPS = float(2**_BITS)
+_PAIR_STEPS = 2048.0  # resolution of each of the two numbers taken from one uniform draw
+_WORD = 2.0**32  # resolution of a Threefry word
+_ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
+_PARITY = 0x1BD11BDA
 
 
-def effective_rate(rate):
-    """The drop probability `Dropout(rate)` applies: `rate` rounded up to a multiple of 1/2048."""
-    return math.ceil(rate * _STEPS) / _STEPS
+def _uses_threefry(backend=None):
+    return (backend or keras.backend.backend()) == "jax"
+
+
+def effective_rate(rate, backend=None):
+    """The drop probability `Dropout(rate)` applies on `backend` (default: Keras's): `rate`
+    rounded up to a multiple of 2⁻³² under JAX, of 1/2048 under TensorFlow and torch."""
+    steps = _WORD if _uses_threefry(backend) else _PAIR_STEPS
+    return math.ceil(rate * steps) / steps
+
+
+def _u32(value):
+    # An explicit dtype: without one, Keras's JAX backend converts NumPy values to floats when
+    # `floatx` is bfloat16.
+    return ops.convert_to_tensor(np.asarray(value, "uint32"), dtype="uint32")
+
+
+def _rotate_left(x, bits):
+    return ops.bitwise_or(ops.left_shift(x, _u32(bits)), ops.right_shift(x, _u32(32 - bits)))
+
+
+def threefry2x32(key0, key1, x0, x1):
+    """Threefry-2x32 with 20 rounds (Salmon et al., 2011; as `jax.random`) on uint32 tensors:
+    the two output words for counters `(x0, x1)` under key `(key0, key1)`. uint32 arithmetic
+    wraps, as Threefry needs, under JAX and TensorFlow (torch has no uint32 arithmetic)."""
+    keys = (key0, key1, ops.bitwise_xor(ops.bitwise_xor(key0, key1), _u32(_PARITY)))
+    x0, x1 = x0 + keys[0], x1 + keys[1]
+    for i in range(5):
+        for bits in _ROTATIONS[i % 2]:
+            x0 = x0 + x1
+            x1 = ops.bitwise_xor(_rotate_left(x1, bits), x0)
+        x0 = x0 + keys[(i + 1) % 3]
+        x1 = x1 + keys[(i + 2) % 3] + _u32(i + 1)
+    return x0, x1
 
 
 @keras.saving.register_keras_serializable(package="keras_tfm")
 class Dropout(keras.layers.Layer):
-    """`keras.layers.Dropout` with half the random numbers.
+    """`keras.layers.Dropout` with cheaper random numbers.
 
-    Each element is zeroed with probability `effective_rate(rate)` (`rate` rounded up to a
-    multiple of 1/2048), independently, and the kept ones are scaled by
-    `1 / (1 − effective_rate(rate))` (in the inputs' dtype, so exactly unbiased in float32, as
-    `keras.layers.Dropout`). `keras.random.dropout` with `rate` itself is used instead for a
-    last dimension that is odd or unknown, for rates that rounding would move by more than 1%
-    (below about 0.05, or above 2047/2048), and under torch without a seed (where Keras calls
-    torch's native dropout).
+    Each element is zeroed with probability `effective_rate(rate)`, independently, and the kept
+    ones are scaled by `1 / (1 − effective_rate(rate))` (in the inputs' dtype, so exactly
+    unbiased in float32, as `keras.layers.Dropout`). Under JAX the random bits are
+    Threefry-2x32 (see the module docstring), for any static shape up to 2³² elements. Under
+    TensorFlow and torch one uniform draw decides two neighbouring elements (the rate rounded
+    up to a multiple of 1/2048). `keras.random.dropout` with `rate` itself is used instead
+    for shapes not known when traced (JAX), a last dimension that is odd or unknown
+    (TensorFlow, torch), and rates that rounding would move by more than 1% (TensorFlow and
+    torch: below about 0.05, or above 2047/2048).
 
     Args:
         rate: in [0, 1).
@@ -54,32 +99,55 @@ class Dropout(keras.layers.Layer):
         self.rate = check_dropout("rate", rate)
         self.seed = seed
         self.seed_generator = keras.random.SeedGenerator(seed) if self.rate > 0 else None
+        self._threefry = _uses_threefry()
         self._effective_rate = effective_rate(self.rate)
-        # Pairs only where rounding moves the rate by at most 1% (and never to 1).
-        self._pairs = (self._effective_rate < 1.0
-                       and self._effective_rate - self.rate <= 0.01 * self.rate)
+        # Our own draws only where rounding moves the rate by at most 1% (and never to 1).
+        self._own_draws = (self._effective_rate < 1.0
+                           and self._effective_rate - self.rate <= 0.01 * self.rate)
         self.supports_masking = True
         self.built = True
 
     def call(self, inputs, training=False):
         if not training or self.rate == 0:
             return inputs
-        width = inputs.shape[-1]
-        if (not self._pairs or width is None or width % 2
-                or (keras.backend.backend() == "torch" and self.seed is None)):
+        keep = None
+        if self._own_draws:
+            keep = self._threefry_keep(inputs) if self._threefry else self._paired_keep(inputs)
+        if keep is None:
             return keras.random.dropout(inputs, self.rate, seed=self.seed_generator)
-        rate = self._effective_rate
+        # A multiplication by the scaled mask, not a select: one tensor op less forward and
+        # backward, which eager torch pays (as torch's own dropout, a dropped inf gives nan).
+        scale = ops.cast(1.0 / (1.0 - self._effective_rate), inputs.dtype)
+        return inputs * (ops.cast(keep, inputs.dtype) * scale)
+
+    def _threefry_keep(self, inputs):
+        shape = tuple(inputs.shape)
+        if not all(isinstance(d, int) for d in shape) or math.prod(shape) > 2**32:
+            return None
+        key = self.seed_generator.next()  # uint32 (2,), the key Keras gives jax.random
+        index = ops.reshape(ops.arange(math.prod(shape), dtype="uint32"), shape)
+        # One counter per neighbouring pair, computed per element so that XLA fuses it all
+        # (and a sharded tensor computes its own elements' bits).
+        counter = ops.right_shift(index, _u32(1))
+        high, low = threefry2x32(key[0], key[1], ops.zeros_like(counter), counter)
+        bits = ops.where(ops.equal(ops.bitwise_and(index, _u32(1)), _u32(0)), high, low)
+        return ops.greater_equal(bits, _u32(self._effective_rate * _WORD))
+
+    def _paired_keep(self, inputs):
+        width = inputs.shape[-1]
+        if width is None or width % 2:
+            return None
         shape = tuple(ops.shape(inputs)[:-1]) + (width // 2,)
         # float32 whatever `floatx` is: the split below needs the uniform's 23 random bits.
-        scaled = keras.random.uniform(shape, dtype="float32", seed=self.seed_generator) * _STEPS
-        high = ops.floor(scaled)  # the top 11 bits, as an integer 0 … 2047
-        low = scaled - high  # the remaining bits, uniform in [0, 1) and independent of `high`
-        # Neighbours share a draw (elements 2j and 2j + 1), so a last axis split across devices
-        # (ModelParallel) keeps each pair on one device.
-        keep = ops.reshape(ops.stack([high >= rate * _STEPS, low >= rate], axis=-1),
-                           ops.shape(inputs))
-        scale = ops.cast(1.0 / (1.0 - rate), inputs.dtype)
-        return ops.where(keep, inputs * scale, ops.zeros_like(inputs))
+        uniform = keras.random.uniform(shape, dtype="float32", seed=self.seed_generator)
+        rate = self._effective_rate  # k / 2048
+        scaled = uniform * _PAIR_STEPS  # exact: a power of two
+        # uniform >= k / 2048 compares the top 11 bits (floor(scaled) >= k); the fraction of
+        # `scaled` is the remaining bits, uniform in [0, 1) and independent of them.
+        # Neighbours share a draw (elements 2j and 2j + 1), so a last axis split across
+        # devices keeps each pair on one device.
+        keep = ops.stack([uniform >= rate, scaled - ops.floor(scaled) >= rate], axis=-1)
+        return ops.reshape(keep, ops.shape(inputs))
 
     def compute_output_shape(self, input_shape):
         return input_shape

@@ -1,17 +1,81 @@
-"""keras_tfm.Dropout: two elements per random draw, the same statistics as inverted dropout."""
+"""keras_tfm.Dropout: cheaper random bits (Threefry under JAX, two elements per uniform draw
+elsewhere), the same statistics as inverted dropout."""
+
+import math
 
 import keras
 import numpy as np
 import pytest
 
 from helpers import BACKEND, to_np
-from keras_tfm.dropout import Dropout, effective_rate
+from keras_tfm.dropout import Dropout, effective_rate, threefry2x32
+
+ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
 
 
-def test_effective_rate_rounds_up_to_a_multiple_of_1_over_2048():
-    assert effective_rate(0.1) == 205 / 2048
-    assert effective_rate(0.5) == 0.5
+def np_threefry2x32(key, x0, x1):
+    """Threefry-2x32, 20 rounds, in NumPy uint32 (the Random123 reference algorithm)."""
+    with np.errstate(over="ignore"):
+        k = [np.uint32(key[0]), np.uint32(key[1])]
+        k.append(k[0] ^ k[1] ^ np.uint32(0x1BD11BDA))
+        x0, x1 = x0.astype(np.uint32) + k[0], x1.astype(np.uint32) + k[1]
+        for i in range(5):
+            for r in ROTATIONS[i % 2]:
+                x0 = x0 + x1
+                x1 = ((x1 << np.uint32(r)) | (x1 >> np.uint32(32 - r))) ^ x0
+            x0 = x0 + k[(i + 1) % 3]
+            x1 = x1 + k[(i + 2) % 3] + np.uint32(i + 1)
+    return x0, x1
+
+
+def test_effective_rate_per_backend():
+    # Threefry words (JAX): 32 bits; one uniform per two elements (TF, torch): 11 bits each.
+    assert effective_rate(0.1, "jax") == math.ceil(0.1 * 2**32) / 2**32
+    for backend in ("tensorflow", "torch"):
+        assert effective_rate(0.1, backend) == 205 / 2048
+        assert effective_rate(0.5, backend) == 0.5
     assert effective_rate(0.0) == 0.0
+
+
+KNOWN_ANSWERS = [  # Random123's known-answer tests for threefry2x32_20: key, counter, output
+    ((0, 0), (0, 0), (0x6B200159, 0x99BA4EFE)),
+    ((0xFFFFFFFF, 0xFFFFFFFF), (0xFFFFFFFF, 0xFFFFFFFF), (0x1CB996FC, 0xBB002BE7)),
+    ((0x13198A2E, 0x03707344), (0x243F6A88, 0x85A308D3), (0xC4923A9C, 0x483DF7A0)),
+]
+
+
+@pytest.mark.skipif(BACKEND == "torch", reason="torch has no uint32 addition; keras_tfm.Dropout "
+                    "uses Threefry under JAX only (and it runs under TensorFlow: tested there)")
+def test_threefry_known_answers():
+    u32 = lambda v: keras.ops.convert_to_tensor(np.asarray(v, "uint32"))
+    for key, counter, expected in KNOWN_ANSWERS:
+        out = threefry2x32(u32(key[0]), u32(key[1]), u32([counter[0]]), u32([counter[1]]))
+        assert tuple(int(to_np(o)[0]) for o in out) == expected
+        reference = np_threefry2x32(key, np.array([counter[0]]), np.array([counter[1]]))
+        assert tuple(int(r[0]) for r in reference) == expected
+
+
+def test_mask_is_the_documented_function_of_the_seed():
+    """The layer's mask, recomputed in NumPy from the same seed: under JAX, word `e mod 2` of
+    Threefry(key, (0, e // 2)) for flat index e with the seed generator's key; under TensorFlow
+    and torch, the top 11 bits and the rest of the uniform Keras draws for that seed."""
+    rate, shape = 0.3, (4, 6, 10)
+    y = to_np(Dropout(rate, seed=7)(np.ones(shape, "float32"), training=True))
+    p = effective_rate(rate)
+    if BACKEND == "jax":
+        key = to_np(keras.random.SeedGenerator(7).next())  # the key of the layer's first call
+        index = np.arange(math.prod(shape), dtype=np.uint32)
+        high, low = np_threefry2x32(key, np.zeros_like(index // 2), index // 2)
+        bits = np.where(index % 2 == 0, high, low).reshape(shape)
+        keep = bits >= np.uint32(p * 2**32)
+    else:
+        uniform = to_np(keras.random.uniform(shape[:-1] + (shape[-1] // 2,),
+                                             seed=keras.random.SeedGenerator(7)))
+        scaled = uniform * 2048
+        keep = np.stack([np.floor(scaled) >= p * 2048, scaled - np.floor(scaled) >= p],
+                        axis=-1).reshape(shape)
+    np.testing.assert_array_equal(y != 0, keep)
+    np.testing.assert_allclose(y[keep], 1 / (1 - p), rtol=1e-6)
 
 
 @pytest.mark.parametrize("rate", [0.1, 0.3])
