@@ -327,7 +327,7 @@ def matmul_rate(m, k, n, batch=1, repeats=5):
                         jit_compile=bool(tf.config.list_physical_devices("GPU")))
 
         def run():
-            f(a, b).numpy()
+            f(a, b)  # eager calls return when done on the CPU; .numpy() would add a copy
     else:
         import torch
 

@@ -8,10 +8,10 @@ Two ways to draw less:
 * Under JAX, the mask comes from Threefry-2x32 — the generator behind `jax.random`, keyed by
   the layer's `SeedGenerator` as Keras keys `jax.random` — written here with `keras.ops` so
   that XLA fuses it into one elementwise kernel with the comparison and the scaling. (JAX's
-  own CPU lowering runs Threefry's rounds as a loop over whole arrays in memory: 0.84 ms for
-  the forward and backward pass of one (64, 32, 128) dropout against 0.23 ms here.) Elements
-  2j and 2j + 1 take the two 32-bit words of counter j; an element is dropped when its word is
-  below `rate · 2³²` (rounded up), so the rate is exact to 2⁻³².
+  own CPU lowering of Threefry runs its rounds as a loop over whole arrays in memory; see
+  benchmarks/dropout.py for the times.) Elements 2j and 2j + 1 take the two 32-bit words of
+  counter j; an element is dropped when its word is below `rate · 2³²` (rounded up), so the
+  rate is exact to 2⁻³².
 * Under TensorFlow and torch, one float32 uniform number decides two neighbouring elements:
   its top 11 bits and the rest are independent uniform numbers. The rate is rounded up to a
   multiple of 1/2048 (0.1 → 0.10010) so that both numbers drop with exactly that probability.
@@ -82,7 +82,8 @@ class Dropout(keras.layers.Layer):
     up to a multiple of 1/2048). `keras.random.dropout` with `rate` itself is used instead
     for shapes not known when traced (JAX), a last dimension that is odd or unknown
     (TensorFlow, torch), and rates that rounding would move by more than 1% (TensorFlow and
-    torch: below about 0.05, or above 2047/2048).
+    torch: below about 0.05, or above 2047/2048). The mask is applied by multiplication: as
+    with torch's dropout, a dropped inf or nan gives nan.
 
     Args:
         rate: in [0, 1).
