@@ -123,10 +123,13 @@ class Dropout(keras.layers.Layer):
 
     def _threefry_keep(self, inputs):
         shape = tuple(inputs.shape)
-        if not all(isinstance(d, int) for d in shape) or math.prod(shape) > 2**32:
+        if not all(isinstance(d, int) for d in shape):
+            return None
+        size = math.prod(shape)
+        if size > 2**32:
             return None
         key = self.seed_generator.next()  # uint32 (2,), the key Keras gives jax.random
-        index = ops.reshape(ops.arange(math.prod(shape), dtype="uint32"), shape)
+        index = ops.reshape(ops.arange(size, dtype="uint32"), shape)
         # One counter per neighbouring pair, computed per element so that XLA fuses it all
         # (and a sharded tensor computes its own elements' bits).
         counter = ops.right_shift(index, _u32(1))
