@@ -3,7 +3,7 @@
 On the CPU, random numbers are a large part of a transformer's training step: with dropout
 0.1 everywhere (embeddings, attention weights, feed-forward hidden units, residuals) the
 small benchmark's JAX step took 229 ms against 164 ms with dropout off (benchmarks/README.md).
-Two ways to draw less:
+Two ways to draw less, each where it measured faster than Keras's dropout (benchmarks/dropout.py):
 
 * Under JAX, the mask comes from Threefry-2x32 — the generator behind `jax.random`, keyed by
   the layer's `SeedGenerator` as Keras keys `jax.random` — written here with `keras.ops` so
@@ -12,11 +12,12 @@ Two ways to draw less:
   benchmarks/dropout.py for the times.) Elements 2j and 2j + 1 take the two 32-bit words of
   counter j; an element is dropped when its word is below `rate · 2³²` (rounded up), so the
   rate is exact to 2⁻³².
-* Under TensorFlow and torch, one float32 uniform number decides two neighbouring elements:
-  its top 11 bits and the rest are independent uniform numbers. The rate is rounded up to a
-  multiple of 1/2048 (0.1 → 0.10010) so that both numbers drop with exactly that probability.
+* Under torch, one float32 uniform number decides two neighbouring elements: its top 11 bits
+  and the rest are independent uniform numbers. The rate is rounded up to a multiple of 1/2048
+  (0.1 → 0.10010) so that both numbers drop with exactly that probability. (Keras's dropout
+  calls torch's native one there, whose CPU `bernoulli_` costs twice `torch.rand` an element.)
 
-Either way the kept elements are scaled by 1 / (1 − the applied rate): the expectation is
+Under TensorFlow `keras.random.dropout` is used as it is. Either way the kept elements are scaled by 1 / (1 − the applied rate): the expectation is
 unchanged, as with `keras.layers.Dropout`.
 """
 
@@ -34,15 +35,18 @@ _ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
 _PARITY = 0x1BD11BDA
 
 
-def _uses_threefry(backend=None):
-    return (backend or keras.backend.backend()) == "jax"
+# How `Dropout` draws on each backend, and the resolution of its rate; other backends use
+# `keras.random.dropout` (TensorFlow: its graph runs the paired path's ~10 ops as separate
+# kernels, slower than Keras's dropout; benchmarks/dropout.py).
+_DRAWS = {"jax": ("threefry", _WORD), "torch": ("pairs", _PAIR_STEPS)}
 
 
 def effective_rate(rate, backend=None):
     """The drop probability `Dropout(rate)` applies on `backend` (default: Keras's): `rate`
-    rounded up to a multiple of 2⁻³² under JAX, of 1/2048 under TensorFlow and torch."""
-    steps = _WORD if _uses_threefry(backend) else _PAIR_STEPS
-    return math.ceil(rate * steps) / steps
+    rounded up to a multiple of 2⁻³² under JAX, of 1/2048 under torch; `rate` itself under
+    TensorFlow (Keras's dropout)."""
+    draws = _DRAWS.get(backend or keras.backend.backend())
+    return rate if draws is None else math.ceil(rate * draws[1]) / draws[1]
 
 
 def _u32(value):
@@ -78,12 +82,12 @@ class Dropout(keras.layers.Layer):
     ones are scaled by `1 / (1 − effective_rate(rate))` (in the inputs' dtype, so exactly
     unbiased in float32, as `keras.layers.Dropout`). Under JAX the random bits are
     Threefry-2x32 (see the module docstring), for any static shape up to 2³² elements. Under
-    TensorFlow and torch one uniform draw decides two neighbouring elements (the rate rounded
-    up to a multiple of 1/2048). `keras.random.dropout` with `rate` itself is used instead
-    for shapes not known when traced (JAX), a last dimension that is odd or unknown
-    (TensorFlow, torch), and rates that rounding would move by more than 1% (TensorFlow and
-    torch: below about 0.05, or above 2047/2048). The mask is applied by multiplication: as
-    with torch's dropout, a dropped inf or nan gives nan.
+    torch one uniform draw decides two neighbouring elements (the rate rounded up to a
+    multiple of 1/2048). `keras.random.dropout` with `rate` itself is used instead under
+    TensorFlow, for shapes not known when traced (JAX), a last dimension that is odd or
+    unknown (torch), and rates that rounding would move by more than 1% (torch: below about
+    0.05, or above 2047/2048). Our own masks are applied by multiplication: as with torch's
+    dropout, a dropped inf or nan gives nan.
 
     Args:
         rate: in [0, 1).
@@ -100,11 +104,11 @@ class Dropout(keras.layers.Layer):
         self.rate = check_dropout("rate", rate)
         self.seed = seed
         self.seed_generator = keras.random.SeedGenerator(seed) if self.rate > 0 else None
-        self._threefry = _uses_threefry()
         self._effective_rate = effective_rate(self.rate)
+        draws = _DRAWS.get(keras.backend.backend(), (None,))[0]
         # Our own draws only where rounding moves the rate by at most 1% (and never to 1).
-        self._own_draws = (self._effective_rate < 1.0
-                           and self._effective_rate - self.rate <= 0.01 * self.rate)
+        own = self._effective_rate < 1.0 and self._effective_rate - self.rate <= 0.01 * self.rate
+        self._draws = draws if own else None
         self.supports_masking = True
         self.built = True
 
@@ -112,8 +116,10 @@ class Dropout(keras.layers.Layer):
         if not training or self.rate == 0:
             return inputs
         keep = None
-        if self._own_draws:
-            keep = self._threefry_keep(inputs) if self._threefry else self._paired_keep(inputs)
+        if self._draws == "threefry":
+            keep = self._threefry_keep(inputs)
+        elif self._draws == "pairs":
+            keep = self._paired_keep(inputs)
         if keep is None:
             return keras.random.dropout(inputs, self.rate, seed=self.seed_generator)
         # A multiplication by the scaled mask, not a select: one tensor op less forward and

@@ -29,11 +29,12 @@ def np_threefry2x32(key, x0, x1):
 
 
 def test_effective_rate_per_backend():
-    # Threefry words (JAX): 32 bits; one uniform per two elements (TF, torch): 11 bits each.
+    # Threefry words (JAX): 32 bits; one uniform per two elements (torch): 11 bits each;
+    # TensorFlow: Keras's dropout, the rate itself.
     assert effective_rate(0.1, "jax") == math.ceil(0.1 * 2**32) / 2**32
-    for backend in ("tensorflow", "torch"):
-        assert effective_rate(0.1, backend) == 205 / 2048
-        assert effective_rate(0.5, backend) == 0.5
+    assert effective_rate(0.1, "torch") == 205 / 2048
+    assert effective_rate(0.5, "torch") == 0.5
+    assert effective_rate(0.1, "tensorflow") == 0.1
     assert effective_rate(0.0) == 0.0
 
 
@@ -57,8 +58,9 @@ def test_threefry_known_answers():
 
 def test_mask_is_the_documented_function_of_the_seed():
     """The layer's mask, recomputed in NumPy from the same seed: under JAX, word `e mod 2` of
-    Threefry(key, (0, e // 2)) for flat index e with the seed generator's key; under TensorFlow
-    and torch, the top 11 bits and the rest of the uniform Keras draws for that seed."""
+    Threefry(key, (0, e // 2)) for flat index e with the seed generator's key; under torch,
+    the top 11 bits and the rest of the uniform Keras draws for that seed; under TensorFlow,
+    `keras.random.dropout` itself."""
     rate, shape = 0.3, (4, 6, 10)
     y = to_np(Dropout(rate, seed=7)(np.ones(shape, "float32"), training=True))
     p = effective_rate(rate)
@@ -68,6 +70,9 @@ def test_mask_is_the_documented_function_of_the_seed():
         high, low = np_threefry2x32(key, np.zeros_like(index // 2), index // 2)
         bits = np.where(index % 2 == 0, high, low).reshape(shape)
         keep = bits >= np.uint32(p * 2**32)
+    elif BACKEND == "tensorflow":
+        keep = to_np(keras.random.dropout(np.ones(shape, "float32"), rate,
+                                          seed=keras.random.SeedGenerator(7))) != 0
     else:
         uniform = to_np(keras.random.uniform(shape[:-1] + (shape[-1] // 2,),
                                              seed=keras.random.SeedGenerator(7)))
