@@ -25,10 +25,11 @@ no GPU, so a tf.function graph; eager under torch). All models are built
 and warmed up first, then timed in turns (repeat 1 of every model, repeat 2 of every model, ...)
 so that the machine's slow spells fall on all alike. Reported: training tokens per second,
 counting source + target positions of the padded batches (B x (S + T) per step), median over
-the repeats; the ratio of keras_tfm to each peer; the model's
-matmul FLOPs per step (forward x 3) and the FLOP/s they reach, as a fraction of this backend's
-fp32 matmul peak measured in the same run; and the matmul bound: the time each of the model's
-matmul shapes takes on this backend (measured here, forward shapes, x 3), summed.
+the repeats (TensorFlow: mean over three times the repeats, see `time_interleaved`); the ratio
+of keras_tfm to each peer; the model's matmul FLOPs per step (forward x 3) and the FLOP/s they
+reach, as a fraction of this backend's fp32 matmul peak measured in the same run; and the
+matmul bound: the time each of the model's matmul shapes takes on this backend (measured here,
+forward shapes, x 3), summed.
 """
 
 import argparse
@@ -284,16 +285,23 @@ def torch_native_runner(cfg, batches):
     return run, sum(p.numel() for p in model.parameters())
 
 
-def time_interleaved(runners, cfg):
+def time_interleaved(runners, cfg, tensorflow=False):
     """Seconds per step of each runner: the repeats go round the runners in turn, so a slow
-    spell of the machine falls on all of them alike; median per runner."""
+    spell of the machine falls on all of them alike; median per runner.
+
+    Under TensorFlow on this machine each `fit` call runs all its steps in one of two modes
+    (e.g. ~140 or ~218 ms a step, small config), at random from call to call, for every model:
+    a median of a few calls then lands on either mode. There, three times the repeats and the
+    mean (what a long training run gets)."""
+    repeats = cfg["repeats"] * (3 if tensorflow else 1)
     times = {name: [] for name in runners}
-    for r in range(cfg["repeats"]):
+    for r in range(repeats):
         for name, run in runners.items():
             start = time.perf_counter()
             run(r)
             times[name].append((time.perf_counter() - start) / cfg["steps"])
-    return {name: statistics.median(t) for name, t in times.items()}
+    summary = statistics.mean if tensorflow else statistics.median
+    return {name: summary(t) for name, t in times.items()}, times
 
 
 # ---------------------------------------------------------------------------------------------
@@ -382,9 +390,10 @@ def run(backend, config, models=None):
             runners[name], params[name] = torch_native_runner(cfg, batches)
         else:
             runners[name], params[name] = keras_runner(KERAS_MODELS[name], cfg, batches)
-    for name, seconds in time_interleaved(runners, cfg).items():
+    summary, calls = time_interleaved(runners, cfg, backend == "tensorflow")
+    for name, seconds in summary.items():
         results["models"][name] = {"step_s": seconds, "tokens_per_s": tokens / seconds,
-                                   "params": params[name]}
+                                   "params": params[name], "calls_step_s": calls[name]}
         print(f"{backend:10s} {config:5s} {name:12s} {tokens / seconds:10,.0f} tokens/s  "
               f"{seconds * 1000:8.1f} ms/step  {params[name]:,} params", flush=True)
     train_flops, bound_s, peak, rates = matmul_bound(cfg)
