@@ -14,8 +14,10 @@ machine without GPU, eager under torch):
 * Keras MHA: `keras.layers.MultiHeadAttention` with the same padding (`query_mask`,
   `value_mask`).
 
-Reported: milliseconds per step (median of repeats after a warm-up) and, where the backend
-reports it (GPUs), the peak device memory of the step.
+Reported: milliseconds per step (median of repeats after a warm-up) and the step's memory:
+under torch and TensorFlow the peak device memory where the backend reports it (GPUs), under
+JAX what XLA plans for the jitted forward + backward (arguments, outputs and temporaries; any
+device).
 """
 
 import os
@@ -24,7 +26,9 @@ import time
 
 import per_backend
 
-LENGTHS = (64, 128, 256, 512, 1024)
+# ATTENTION_LENGTHS=64,256 runs a subset (a quick check).
+LENGTHS = tuple(int(n) for n in
+                os.environ.get("ATTENTION_LENGTHS", "64,128,256,512,1024").split(","))
 BATCH, D_MODEL, HEADS, REPEATS = 8, 256, 4, 5
 
 
@@ -67,16 +71,33 @@ def peak_memory_reset():
             tf.config.experimental.reset_memory_stats("GPU:0")
 
 
+def jax_step_bytes(model, inputs, target):
+    """XLA's planned memory (arguments + outputs + temporaries) of the jitted forward + backward.
+
+    JAX keeps no resettable peak per step (its allocator's peak covers the whole process), so
+    under JAX the column is what XLA allocates for the gradient computation, on any device."""
+    import jax
+    from keras import ops
+
+    trainable = [v.value for v in model.trainable_variables]
+    fixed = [v.value for v in model.non_trainable_variables]
+
+    def loss(trainable):
+        y, _ = model.stateless_call(trainable, fixed, inputs, training=True)
+        return ops.mean(ops.square(y - target))
+
+    stats = jax.jit(jax.grad(loss)).lower(trainable).compile().memory_analysis()
+    if stats is None:
+        return None
+    return stats.argument_size_in_bytes + stats.output_size_in_bytes + stats.temp_size_in_bytes
+
+
 def peak_memory():
-    """Peak bytes on the first accelerator, or None (CPUs report nothing usable)."""
+    """Peak bytes of the steps since `peak_memory_reset` on the first accelerator (torch,
+    TensorFlow), or None (CPUs report nothing usable)."""
     import keras
 
     backend = keras.backend.backend()
-    if backend == "jax":
-        import jax
-
-        stats = jax.devices()[0].memory_stats()
-        return stats.get("peak_bytes_in_use") if stats else None
     if backend == "torch":
         import torch
 
@@ -86,6 +107,28 @@ def peak_memory():
     if tf.config.list_physical_devices("GPU"):
         return tf.config.experimental.get_memory_info("GPU:0")["peak"]
     return None
+
+
+def device_name():
+    """What the layers ran on: the accelerator's name, else "cpu"."""
+    import keras
+
+    backend = keras.backend.backend()
+    if backend == "jax":
+        import jax
+
+        device = jax.devices()[0]
+        return "cpu" if device.platform == "cpu" else device.device_kind
+    if backend == "torch":
+        import torch
+
+        return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    import tensorflow as tf
+
+    gpus = tf.config.list_physical_devices("GPU")
+    if not gpus:
+        return "cpu"
+    return tf.config.experimental.get_device_details(gpus[0]).get("device_name", "gpu")
 
 
 def run(backend):
@@ -110,14 +153,17 @@ def run(backend):
                 start = time.perf_counter()
                 model.train_on_batch([x, mask], x)
                 times.append(time.perf_counter() - start)
+            peak = (jax_step_bytes(model, [x, mask], x) if backend == "jax"
+                    else peak_memory())
             row = {"backend": backend, "length": length, "variant": variant,
-                   "ms": 1000 * statistics.median(times), "peak_bytes": peak_memory()}
+                   "ms": 1000 * statistics.median(times), "peak_bytes": peak}
             rows.append(row)
             memory = "n/a" if row["peak_bytes"] is None else f"{row['peak_bytes'] / 2**20:.0f} MiB"
-            print(f"{backend:10s} T={length:5d} {variant:20s} {row['ms']:9.2f} ms  "
-                  f"peak memory {memory}", flush=True)
+            print(f"{backend:10s} {device_name():5.5s} T={length:5d} {variant:20s} "
+                  f"{row['ms']:9.2f} ms  memory {memory}", flush=True)
             keras.backend.clear_session()
     return {"backend": backend, "keras": keras.__version__, "date": time.strftime("%Y-%m-%d"),
+            "device": device_name(),
             "batch": BATCH, "d_model": D_MODEL, "heads": HEADS, "rows": rows}
 
 
