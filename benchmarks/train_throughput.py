@@ -21,15 +21,15 @@ attention weights and each sublayer's output) is built four ways:
 
 The Keras models train with `model.fit` (Adam, keras_tfm's masked loss, `compile()` defaults,
 so `jit_compile="auto"`: XLA under JAX; under TensorFlow Keras turns XLA off on a machine with
-no GPU, so a tf.function graph; eager under torch). All models are built
-and warmed up first, then timed in turns (repeat 1 of every model, repeat 2 of every model, ...)
-so that the machine's slow spells fall on all alike. Reported: training tokens per second,
-counting source + target positions of the padded batches (B x (S + T) per step), median over
-the repeats (TensorFlow: mean over three times the repeats, see `time_interleaved`); the ratio
-of keras_tfm to each peer; the model's matmul FLOPs per step (forward x 3) and the FLOP/s they
-reach, as a fraction of this backend's fp32 matmul peak measured in the same run; and the
-matmul bound: the time each of the model's matmul shapes takes on this backend (measured here,
-forward shapes, x 3), summed.
+no GPU, so a tf.function graph; eager under torch), given NumPy arrays, except under TensorFlow:
+there a `tf.data.Dataset` of the same batches with tf.data's autotuning off (see
+`unautotuned_dataset`). All models are built and warmed up first, then timed in turns (repeat 1
+of every model, repeat 2 of every model, ...) so that the machine's slow spells fall on all
+alike. Reported: training tokens per second, counting source + target positions of the padded
+batches (B x (S + T) per step), median over the repeats; the ratio of keras_tfm to each peer;
+the model's matmul FLOPs per step (forward x 3) and the FLOP/s they reach, as a fraction of this
+backend's fp32 matmul peak measured in the same run; and the matmul bound: the time each of the
+model's matmul shapes takes on this backend (measured here, forward shapes, x 3), summed.
 """
 
 import argparse
@@ -201,6 +201,22 @@ KERAS_MODELS = {"keras_tfm": build_keras_tfm, "keras_hub": build_keras_hub,
                 "keras_mha": build_keras_mha}
 
 
+def unautotuned_dataset(x, y, batch_size):
+    """The same batches as a `tf.data.Dataset` with tf.data's autotuning off.
+
+    Given NumPy arrays, Keras's TensorFlow trainer builds an autotuned tf.data pipeline; on this
+    2-core machine that made each `fit` call run all its steps either at ~140 or at ~218 ms a
+    step (small config), at random from call to call and alike for every model. With
+    autotuning off (plain `Dataset.batch`, or Keras's own map + prefetch) every call ran at
+    ~130-140 ms; with it on, both those pipelines were bimodal again (README)."""
+    import tensorflow as tf
+
+    options = tf.data.Options()
+    options.autotune.enabled = False
+    dataset = tf.data.Dataset.from_tensor_slices((tuple(x), y)).batch(batch_size)
+    return dataset.with_options(options)
+
+
 def keras_runner(build, cfg, batches, jit_compile="auto"):
     """A compiled, warmed-up Keras model; returns `run(offset)` (cfg["steps"] training steps
     of `model.fit`) and the parameter count."""
@@ -219,8 +235,11 @@ def keras_runner(build, cfg, batches, jit_compile="auto"):
     def fit(steps, offset=0):
         rows = [(offset + i) % POOL for i in range(steps)]
         idx = [r * b + j for r in rows for j in range(b)]
-        model.fit([src[idx], dec_in[idx]], tgt[idx], batch_size=b, epochs=1, shuffle=False,
-                  verbose=0)
+        x, y = [src[idx], dec_in[idx]], tgt[idx]
+        if keras.backend.backend() == "tensorflow":
+            model.fit(unautotuned_dataset(x, y, b), epochs=1, shuffle=False, verbose=0)
+        else:
+            model.fit(x, y, batch_size=b, epochs=1, shuffle=False, verbose=0)
 
     fit(cfg["warmup"])
     return (lambda offset: fit(cfg["steps"], offset)), model.count_params()
@@ -285,23 +304,16 @@ def torch_native_runner(cfg, batches):
     return run, sum(p.numel() for p in model.parameters())
 
 
-def time_interleaved(runners, cfg, tensorflow=False):
+def time_interleaved(runners, cfg):
     """Seconds per step of each runner: the repeats go round the runners in turn, so a slow
-    spell of the machine falls on all of them alike; median per runner.
-
-    Under TensorFlow on this machine each `fit` call runs all its steps in one of two modes
-    (e.g. ~140 or ~218 ms a step, small config), at random from call to call, for every model:
-    a median of a few calls then lands on either mode. There, three times the repeats and the
-    mean (what a long training run gets)."""
-    repeats = cfg["repeats"] * (3 if tensorflow else 1)
+    spell of the machine falls on all of them alike; median per runner."""
     times = {name: [] for name in runners}
-    for r in range(repeats):
+    for r in range(cfg["repeats"]):
         for name, run in runners.items():
             start = time.perf_counter()
             run(r)
             times[name].append((time.perf_counter() - start) / cfg["steps"])
-    summary = statistics.mean if tensorflow else statistics.median
-    return {name: summary(t) for name, t in times.items()}, times
+    return {name: statistics.median(t) for name, t in times.items()}, times
 
 
 # ---------------------------------------------------------------------------------------------
@@ -390,7 +402,7 @@ def run(backend, config, models=None):
             runners[name], params[name] = torch_native_runner(cfg, batches)
         else:
             runners[name], params[name] = keras_runner(KERAS_MODELS[name], cfg, batches)
-    summary, calls = time_interleaved(runners, cfg, backend == "tensorflow")
+    summary, calls = time_interleaved(runners, cfg)
     for name, seconds in summary.items():
         results["models"][name] = {"step_s": seconds, "tokens_per_s": tokens / seconds,
                                    "params": params[name], "calls_step_s": calls[name]}

@@ -44,3 +44,17 @@ def test_keras_tfm_and_the_keras_mha_model_are_the_same_size():
     assert tfm.count_params() == mha.count_params()
     src, dec_in, _ = tt.make_batches(TINY)
     assert tfm([src[:2], dec_in[:2]]).shape == mha([src[:2], dec_in[:2]]).shape == (2, 6, 30)
+
+
+def test_tensorflow_gets_the_same_batches_without_autotuning():
+    # tf.data works under every Keras backend, so this runs in each of the three processes.
+    src, dec_in, tgt = (a[:10] for a in tt.make_batches(TINY))
+    dataset = tt.unautotuned_dataset([src, dec_in], tgt, batch_size=4)
+    assert dataset.options().autotune.enabled is False
+    batches = list(dataset.as_numpy_iterator())
+    assert [len(y) for _, y in batches] == [4, 4, 2]
+    for i, ((s, d), y) in enumerate(batches):
+        rows = slice(4 * i, 4 * i + 4)
+        np.testing.assert_array_equal(s, src[rows])
+        np.testing.assert_array_equal(d, dec_in[rows])
+        np.testing.assert_array_equal(y, tgt[rows])
