@@ -26,9 +26,11 @@ import time
 
 import per_backend
 
-# ATTENTION_LENGTHS=64,256 runs a subset (a quick check).
+# ATTENTION_LENGTHS=64,256 runs a subset (a quick check); ATTENTION_POLICY=mixed_bfloat16 runs
+# the layers under that Keras dtype policy (default float32).
 LENGTHS = tuple(int(n) for n in
                 os.environ.get("ATTENTION_LENGTHS", "64,128,256,512,1024").split(","))
+POLICY = os.environ.get("ATTENTION_POLICY", "float32")
 BATCH, D_MODEL, HEADS, REPEATS = 8, 256, 4, 5
 
 
@@ -137,6 +139,7 @@ def run(backend):
     import keras
     import numpy as np
 
+    keras.config.set_dtype_policy(POLICY)
     rng = np.random.default_rng(0)
     rows = []
     for length in LENGTHS:
@@ -163,7 +166,7 @@ def run(backend):
                   f"{row['ms']:9.2f} ms  memory {memory}", flush=True)
             keras.backend.clear_session()
     return {"backend": backend, "keras": keras.__version__, "date": time.strftime("%Y-%m-%d"),
-            "device": device_name(),
+            "device": device_name(), "dtype_policy": POLICY,
             "batch": BATCH, "d_model": D_MODEL, "heads": HEADS, "rows": rows}
 
 
