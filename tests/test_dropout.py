@@ -60,8 +60,7 @@ def test_mask_is_the_documented_function_of_the_seed():
     """The layer's mask, recomputed in NumPy from the same seed: under JAX, word `e mod 2` of
     Threefry(key, (0, e // 2)) for flat index e with the seed generator's key; under torch,
     the top 11 bits (first half of the last axis) and the rest (second half) of the uniform
-    Keras draws for that seed; under TensorFlow,
-    `keras.random.dropout` itself."""
+    Keras draws for that seed; under TensorFlow, `keras.random.dropout` itself."""
     rate, shape = 0.3, (4, 6, 10)
     y = to_np(Dropout(rate, seed=7)(np.ones(shape, "float32"), training=True))
     p = effective_rate(rate)
