@@ -140,6 +140,7 @@ def run(backend):
     import numpy as np
 
     keras.config.set_dtype_policy(POLICY)
+    device = device_name()
     rng = np.random.default_rng(0)
     rows = []
     for length in LENGTHS:
@@ -162,11 +163,11 @@ def run(backend):
                    "ms": 1000 * statistics.median(times), "peak_bytes": peak}
             rows.append(row)
             memory = "n/a" if row["peak_bytes"] is None else f"{row['peak_bytes'] / 2**20:.0f} MiB"
-            print(f"{backend:10s} {device_name():5.5s} T={length:5d} {variant:20s} "
+            print(f"{backend:10s} {device:5.5s} T={length:5d} {variant:20s} "
                   f"{row['ms']:9.2f} ms  memory {memory}", flush=True)
             keras.backend.clear_session()
     return {"backend": backend, "keras": keras.__version__, "date": time.strftime("%Y-%m-%d"),
-            "device": device_name(), "dtype_policy": POLICY,
+            "device": device, "dtype_policy": POLICY,
             "batch": BATCH, "d_model": D_MODEL, "heads": HEADS, "rows": rows}
 
 

@@ -14,8 +14,8 @@ Two ways to draw less, each where it measured faster than Keras's dropout (bench
   rate is exact to 2⁻³².
 * Under torch, one float32 uniform number decides two elements, element j and element
   j + w/2 of a last axis of width w: its top 11 bits and the rest are independent uniform
-  numbers. The rate is rounded up to a multiple of 1/2048
-  (0.1 → 0.10010) so that both numbers drop with exactly that probability. (Keras's dropout
+  numbers. The rate is rounded up to a multiple of 1/2048 (0.1 → 0.10010) so that both
+  numbers drop with exactly that probability. (Keras's dropout
   calls torch's native one there, whose CPU `bernoulli_` costs twice `torch.rand` an element.)
 
 Under TensorFlow `keras.random.dropout` is used as it is. Either way the kept elements are
@@ -157,8 +157,8 @@ class Dropout(keras.layers.Layer):
         # uniform >= k / 2048 compares the top 11 bits (floor(scaled) >= k); the fraction of
         # `scaled` is the remaining bits, uniform in [0, 1) and independent of them. The first
         # half of the last axis takes the top bits, the second half the rest: two contiguous
-        # blocks. Interleaved instead (elements 2j and 2j + 1 sharing a draw) the layer took
-        # 11-18% longer (benchmarks/dropout.py; torch copies an inner axis of 2 slowly).
+        # blocks. Interleaved instead (elements 2j and 2j + 1 sharing a draw) the layer alone
+        # took 11-18% longer, timed side by side (torch copies an inner axis of 2 slowly).
         # keras_tfm's multi-device path under torch is DDP, which splits batches, so no pair
         # spans devices.
         return ops.concatenate([uniform >= rate, scaled - ops.floor(scaled) >= rate], axis=-1)
