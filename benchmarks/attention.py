@@ -111,28 +111,6 @@ def peak_memory():
     return None
 
 
-def device_name():
-    """What the layers ran on: the accelerator's name, else "cpu"."""
-    import keras
-
-    backend = keras.backend.backend()
-    if backend == "jax":
-        import jax
-
-        device = jax.devices()[0]
-        return "cpu" if device.platform == "cpu" else device.device_kind
-    if backend == "torch":
-        import torch
-
-        return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    import tensorflow as tf
-
-    gpus = tf.config.list_physical_devices("GPU")
-    if not gpus:
-        return "cpu"
-    return tf.config.experimental.get_device_details(gpus[0]).get("device_name", "gpu")
-
-
 def run(backend):
     os.environ["KERAS_BACKEND"] = backend
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
@@ -140,7 +118,7 @@ def run(backend):
     import numpy as np
 
     keras.config.set_dtype_policy(POLICY)
-    device = device_name()
+    device = per_backend.device_name()
     rng = np.random.default_rng(0)
     rows = []
     for length in LENGTHS:

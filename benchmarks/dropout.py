@@ -3,13 +3,14 @@
     python benchmarks/dropout.py --backend jax [--json out.json]
     python benchmarks/dropout.py --all [--output-dir benchmarks/results]
 
-The two shapes a transformer drops out most, at the small training config
+By default the two shapes a transformer drops out most, at the small training config
 (benchmarks/train_throughput.py): a (64, 32, 128) activation and (64, 4, 32, 32) attention
-weights; rate 0.1. One step is `sum(dropout(x) · x)` and its gradient with respect to x,
-compiled as Keras compiles a training step on this machine: `jax.jit` under JAX, a
-`tf.function` graph under TensorFlow (no XLA on a CPU-only machine), eager under torch.
-Both layers are unseeded, as `keras_tfm` builds them. Reported: microseconds per step, median
-of 7 timings of 20 steps after a warm-up, and the ratio.
+weights (`DROPOUT_SHAPES` sets others); rate 0.1. One step is `sum(dropout(x) · x)` and its
+gradient with respect to x, compiled as Keras compiles a training step on this machine:
+`jax.jit` under JAX, a `tf.function` graph under TensorFlow (no XLA on a CPU-only machine),
+eager under torch (synchronized on CUDA). Both layers are unseeded, as `keras_tfm` builds them.
+Reported: the device, microseconds per step, median of 7 timings of 20 steps after a warm-up,
+and the ratio.
 """
 
 import os
@@ -18,7 +19,9 @@ import time
 
 import per_backend
 
-SHAPES = ((64, 32, 128), (64, 4, 32, 32))
+# DROPOUT_SHAPES=64x32x128,16x512x1024 runs other shapes (e.g. larger ones on a GPU).
+SHAPES = tuple(tuple(int(n) for n in shape.split("x")) for shape in
+               os.environ.get("DROPOUT_SHAPES", "64x32x128,64x4x32x32").split(","))
 RATE, REPEATS, STEPS = 0.1, 7, 20
 
 
@@ -59,9 +62,13 @@ def step_function(layer):
 
         return lambda x: grad(x).numpy()
 
+    import torch
+
     def run(x):
         x = x.detach().requires_grad_(True)
         keras.ops.sum(layer(x, training=True) * x).backward()
+        if x.is_cuda:  # CUDA runs asynchronously: wait for the step
+            torch.cuda.synchronize()
 
     return run
 
@@ -74,6 +81,7 @@ def run(backend):
 
     import keras_tfm
 
+    device = per_backend.device_name()
     rows = []
     for shape in SHAPES:
         x = keras.ops.convert_to_tensor(
@@ -93,11 +101,12 @@ def run(backend):
                **{f"{name}_us": 1e6 * statistics.median(t) for name, t in times.items()}}
         row["speedup"] = row["keras_us"] / row["keras_tfm_us"]
         rows.append(row)
-        print(f"{backend:10s} {shape!s:18s} keras.layers.Dropout {row['keras_us']:8.0f} us  "
+        print(f"{backend:10s} {device:5.5s} {shape!s:18s} "
+              f"keras.layers.Dropout {row['keras_us']:8.0f} us  "
               f"keras_tfm.Dropout {row['keras_tfm_us']:8.0f} us  {row['speedup']:.2f}x",
               flush=True)
     return {"backend": backend, "keras": keras.__version__, "date": time.strftime("%Y-%m-%d"),
-            "rate": RATE, "rows": rows}
+            "device": device, "rate": RATE, "rows": rows}
 
 
 if __name__ == "__main__":

@@ -11,6 +11,28 @@ import sys
 BACKENDS = ("jax", "tensorflow", "torch")
 
 
+def device_name():
+    """What the layers ran on: the accelerator's name, else "cpu"."""
+    import keras
+
+    backend = keras.backend.backend()
+    if backend == "jax":
+        import jax
+
+        device = jax.devices()[0]
+        return "cpu" if device.platform == "cpu" else device.device_kind
+    if backend == "torch":
+        import torch
+
+        return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    import tensorflow as tf
+
+    gpus = tf.config.list_physical_devices("GPU")
+    if not gpus:
+        return "cpu"
+    return tf.config.experimental.get_device_details(gpus[0]).get("device_name", "gpu")
+
+
 def main(run, doc, name, script):
     """`run(backend)` -> a JSON-able dict; `--all` writes results/<name>_<backend>.json."""
     parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
