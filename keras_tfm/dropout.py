@@ -12,11 +12,14 @@ Two ways to draw less, each where it measured faster than Keras's dropout (bench
   benchmarks/dropout.py for the times.) Elements 2j and 2j + 1 take the two 32-bit words of
   counter j; an element is dropped when its word is below `rate · 2³²` (rounded up), so the
   rate is exact to 2⁻³².
-* Under torch, one float32 uniform number decides two elements, element j and element
-  j + w/2 of a last axis of width w: its top 11 bits and the rest are independent uniform
-  numbers. The rate is rounded up to a multiple of 1/2048 (0.1 → 0.10010) so that both
-  numbers drop with exactly that probability. (Keras's dropout
-  calls torch's native one there, whose CPU `bernoulli_` costs twice `torch.rand` an element.)
+* Under torch, on CPU tensors, one float32 uniform number decides two elements, element j
+  and element j + w/2 of a last axis of width w: its top 11 bits and the rest are independent
+  uniform numbers. The rate is rounded up to a multiple of 1/2048 (0.1 → 0.10010) so that
+  both numbers drop with exactly that probability. (Keras's dropout calls torch's native one
+  there, whose CPU `bernoulli_` costs twice `torch.rand` an element.) On CUDA torch's native
+  dropout is one fused kernel and more than twice as fast as these ~10 kernel launches, and
+  under `torch.compile` Keras's seeded random numbers break the graph: both take Keras's
+  dropout (see `_paired_draws_suit`).
 
 Under TensorFlow `keras.random.dropout` is used as it is. Either way the kept elements are
 scaled by 1 / (1 − the applied rate): the expectation is unchanged, as with
@@ -45,10 +48,25 @@ _DRAWS = {"jax": ("threefry", _WORD), "torch": ("pairs", _PAIR_STEPS)}
 
 def effective_rate(rate, backend=None):
     """The drop probability `Dropout(rate)` applies on `backend` (default: Keras's): `rate`
-    rounded up to a multiple of 2⁻³² under JAX, of 1/2048 under torch; `rate` itself under
-    TensorFlow (Keras's dropout)."""
+    rounded up to a multiple of 2⁻³² under JAX, of 1/2048 under torch (CPU tensors; `rate`
+    itself on an accelerator); `rate` itself under TensorFlow (Keras's dropout)."""
     draws = _DRAWS.get(backend or keras.backend.backend())
     return rate if draws is None else math.ceil(rate * draws[1]) / draws[1]
+
+
+def _paired_draws_suit(inputs):
+    """Whether torch's paired draws are the faster choice for `inputs`: CPU tensors, outside
+    `torch.compile`. (torch only; the one place keras_tfm asks a tensor for its device.)
+
+    On an H200, forward + backward, torch's native dropout took 0.42-0.51 ms and the paired
+    draws 0.96-1.09 ms, from (64, 32, 128) to (32, 512, 1024) (benchmarks/dropout.py): on CUDA
+    the ~10 small kernels of the paired draws cost more than the random numbers they save.
+    Under `torch.compile`, Keras draws seeded random numbers through a `torch.Generator`
+    outside the graph (dynamo cannot trace it), one graph break per layer call, while Keras's
+    unseeded dropout (`torch.nn.functional.dropout`) compiles."""
+    import torch
+
+    return inputs.device.type == "cpu" and not torch.compiler.is_compiling()
 
 
 def _u32(value):
@@ -84,11 +102,12 @@ class Dropout(keras.layers.Layer):
     ones are scaled by `1 / (1 − effective_rate(rate))` (in the inputs' dtype, so exactly
     unbiased in float32, as `keras.layers.Dropout`). Under JAX the random bits are
     Threefry-2x32 (see the module docstring), for any static shape up to 2³² elements. Under
-    torch one uniform draw decides two elements of the last axis, one in each half (the rate
-    rounded up to a multiple of 1/2048). `keras.random.dropout` with `rate` itself is used
-    instead under TensorFlow, for shapes not known when traced (JAX), a last dimension that is
-    odd or unknown (torch), and rates that rounding would move by more than 1% (torch: below
-    about 0.05, or above 2047/2048). Our own masks are applied by multiplication: as with torch's
+    torch, on CPU tensors, one uniform draw decides two elements of the last axis, one in each
+    half (the rate rounded up to a multiple of 1/2048). `keras.random.dropout` with `rate`
+    itself is used instead under TensorFlow, for shapes not known when traced (JAX), torch
+    tensors on an accelerator or under `torch.compile`, a last dimension that is odd or
+    unknown (torch), and rates that rounding would move by more than 1% (torch: below about
+    0.05, or above 2047/2048). Our own masks are applied by multiplication: as with torch's
     dropout, a dropped inf or nan gives nan.
 
     Args:
@@ -120,7 +139,7 @@ class Dropout(keras.layers.Layer):
         keep = None
         if self._draws == "threefry":
             keep = self._threefry_keep(inputs)
-        elif self._draws == "pairs":
+        elif self._draws == "pairs" and _paired_draws_suit(inputs):
             keep = self._paired_keep(inputs)
         if keep is None:
             return keras.random.dropout(inputs, self.rate, seed=self.seed_generator)

@@ -1,5 +1,5 @@
 """keras_tfm.Dropout: cheaper random bits (Threefry under JAX, two elements per uniform draw
-elsewhere), the same statistics as inverted dropout."""
+under torch on CPU tensors), the same statistics as inverted dropout."""
 
 import math
 
@@ -11,6 +11,17 @@ from helpers import BACKEND, to_np
 from keras_tfm.dropout import Dropout, effective_rate, threefry2x32
 
 ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
+
+
+@pytest.fixture(autouse=True)
+def _torch_tensors_on_cpu():
+    """Under torch the paired draws are the CPU path (CUDA tensors take Keras's dropout, the
+    last tests): on a GPU machine these tests still check them, on CPU tensors."""
+    if BACKEND != "torch":
+        yield
+        return
+    with keras.device("cpu"):
+        yield
 
 
 def np_threefry2x32(key, x0, x1):
@@ -181,3 +192,25 @@ def test_rates_that_rounding_would_move_use_keras_dropout():
         y = to_np(Dropout(rate, seed=6)(x, training=True))  # no division by zero at 0.9999
         np.testing.assert_allclose((y == 0).mean(), rate, atol=0.003)
         np.testing.assert_allclose(y[y != 0], 1 / (1 - rate), rtol=1e-5)
+
+
+@pytest.mark.skipif(BACKEND != "torch", reason="the paired draws' device rule is torch's")
+def test_torch_takes_keras_dropout_off_cpu_and_under_compile():
+    """torch's paired draws serve CPU tensors outside torch.compile; anything else takes
+    Keras's dropout (on CUDA torch's fused dropout was faster, benchmarks/README.md)."""
+    import torch
+
+    from keras_tfm.dropout import _paired_draws_suit
+
+    assert _paired_draws_suit(torch.ones(2, 4))
+    # Any other device (CUDA, or the meta device Keras traces shapes on).
+    assert not _paired_draws_suit(torch.ones(2, 4, device="meta"))
+    y = Dropout(0.1)(torch.ones(2, 4, device="meta"), training=True)
+    assert y.device.type == "meta" and tuple(y.shape) == (2, 4)
+    # Under torch.compile (Keras's `jit_compile=True` on torch): Keras's unseeded dropout,
+    # which dynamo traces; `fullgraph=True` raises on any graph break.
+    layer = Dropout(0.1)
+    compiled = torch.compile(lambda x: layer(x, training=True), fullgraph=True, backend="eager")
+    y = to_np(compiled(torch.ones(64, 64, 256)))
+    np.testing.assert_allclose((y == 0).mean(), 0.1, atol=0.005)  # Keras's rate, not rounded
+    np.testing.assert_allclose(y[y != 0], 1 / 0.9, rtol=1e-6)
