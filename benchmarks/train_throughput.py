@@ -4,6 +4,7 @@ torch.nn.Transformer, on the same random padded batches, in one process per back
     python benchmarks/train_throughput.py --backend jax --config small [--json out.json]
     python benchmarks/train_throughput.py --all [--output-dir benchmarks/results]   # 3 x 2 runs
     python benchmarks/train_throughput.py --report   # tables + train_throughput.png from those
+    python benchmarks/train_throughput.py --backend jax --dropout 0   # the models without dropout
 
 The same encoder-decoder transformer (post-LN, ReLU feed-forward, scaled embeddings plus
 sinusoidal positions, 2 + 2 layers, dropout 0.1 where keras_hub puts it: on the embeddings, the
@@ -385,7 +386,9 @@ def matmul_bound(cfg):
 # ---------------------------------------------------------------------------------------------
 
 
-def run(backend, config, models=None):
+def run(backend, config, models=None, dropout=DROPOUT):
+    global DROPOUT
+    DROPOUT = dropout  # read by the model builders
     os.environ["KERAS_BACKEND"] = backend
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     import keras
@@ -393,8 +396,8 @@ def run(backend, config, models=None):
     cfg = CONFIGS[config]
     batches = make_batches(cfg)
     tokens = cfg["batch"] * 2 * cfg["length"]
-    results = {"backend": backend, "config": config, "cfg": cfg, "models": {},
-               "keras": keras.__version__, "date": time.strftime("%Y-%m-%d")}
+    results = {"backend": backend, "config": config, "cfg": cfg, "dropout": dropout,
+               "models": {}, "keras": keras.__version__, "date": time.strftime("%Y-%m-%d")}
     names = models or [*KERAS_MODELS, *(["torch_native"] if backend == "torch" else [])]
     runners, params = {}, {}
     for name in names:  # built, compiled and warmed up first; timed together below
@@ -497,6 +500,9 @@ def main():
     parser.add_argument("--models", nargs="*", help="a subset of " + ", ".join(
         [*KERAS_MODELS, "torch_native"]))
     parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--dropout", type=float, default=DROPOUT,
+                        help=f"the models' dropout rate (default {DROPOUT}; 0 compares the "
+                        "models without it; --all always uses the default)")
     parser.add_argument("--all", action="store_true",
                         help="every backend and config, each in its own process")
     parser.add_argument("--output-dir", default=os.path.join(os.path.dirname(__file__),
@@ -517,7 +523,7 @@ def main():
         return
     if not args.backend:
         parser.error("--backend (or --all) is required")
-    results = run(args.backend, args.config, args.models)
+    results = run(args.backend, args.config, args.models, args.dropout)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
