@@ -442,6 +442,9 @@ def report(output_dir):
     for path in sorted(glob.glob(os.path.join(output_dir, "train_*_*.json"))):
         with open(path) as f:
             r = json.load(f)
+        if r.get("dropout", DROPOUT) != DROPOUT:  # a --dropout run written under that name
+            print(f"skipped {path}: dropout {r['dropout']}, not the reported {DROPOUT}")
+            continue
         results[(r["config"], r["backend"])] = r
     names = ["keras_tfm", "keras_hub", "keras_mha", "torch_native"]
     peers = names[1:]
@@ -502,7 +505,7 @@ def main():
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--dropout", type=float, default=DROPOUT,
                         help=f"the models' dropout rate (default {DROPOUT}; 0 compares the "
-                        "models without it; --all always uses the default)")
+                        "models without it; not with --all, whose files --report reads)")
     parser.add_argument("--all", action="store_true",
                         help="every backend and config, each in its own process")
     parser.add_argument("--output-dir", default=os.path.join(os.path.dirname(__file__),
@@ -510,6 +513,9 @@ def main():
     parser.add_argument("--report", action="store_true",
                         help="tables and a PNG plot from the results in --output-dir")
     args = parser.parse_args()
+    if args.all and args.dropout != DROPOUT:
+        parser.error(f"--all runs the reported comparison, at dropout {DROPOUT}; run one "
+                     "--backend with --dropout instead")
     if args.report:
         report(args.output_dir)
         return

@@ -19,7 +19,9 @@ Two ways to draw less, each where it measured faster than Keras's dropout (bench
   there, whose CPU `bernoulli_` costs twice `torch.rand` an element.) On CUDA torch's native
   dropout is one fused kernel and more than twice as fast as these ~10 kernel launches, and
   under `torch.compile` Keras's seeded random numbers break the graph: both take Keras's
-  dropout (see `_paired_draws_suit`).
+  dropout (see `_paired_draws_suit`), which is torch's native one for an unseeded layer (as
+  keras_tfm builds them; with a `seed` Keras draws through a `torch.Generator`, which still
+  breaks a compiled graph).
 
 Under TensorFlow `keras.random.dropout` is used as it is. Either way the kept elements are
 scaled by 1 / (1 − the applied rate): the expectation is unchanged, as with
@@ -48,8 +50,10 @@ _DRAWS = {"jax": ("threefry", _WORD), "torch": ("pairs", _PAIR_STEPS)}
 
 def effective_rate(rate, backend=None):
     """The drop probability `Dropout(rate)` applies on `backend` (default: Keras's): `rate`
-    rounded up to a multiple of 2⁻³² under JAX, of 1/2048 under torch (CPU tensors; `rate`
-    itself on an accelerator); `rate` itself under TensorFlow (Keras's dropout)."""
+    rounded up to a multiple of 2⁻³² under JAX, of 1/2048 under torch, `rate` itself under
+    TensorFlow (Keras's dropout). The torch value is that of CPU tensors run eagerly; on an
+    accelerator or under `torch.compile` the layer applies `rate` itself (Keras's dropout),
+    which this function, given no tensor, cannot see."""
     draws = _DRAWS.get(backend or keras.backend.backend())
     return rate if draws is None else math.ceil(rate * draws[1]) / draws[1]
 
@@ -63,7 +67,8 @@ def _paired_draws_suit(inputs):
     the ~10 small kernels of the paired draws cost more than the random numbers they save.
     Under `torch.compile`, Keras draws seeded random numbers through a `torch.Generator`
     outside the graph (dynamo cannot trace it), one graph break per layer call, while Keras's
-    unseeded dropout (`torch.nn.functional.dropout`) compiles."""
+    unseeded dropout (`torch.nn.functional.dropout`) compiles; a layer given a `seed` still
+    breaks the graph (Keras's seeded dropout uses the generator too)."""
     import torch
 
     return inputs.device.type == "cpu" and not torch.compiler.is_compiling()
@@ -98,9 +103,10 @@ def threefry2x32(key0, key1, x0, x1):
 class Dropout(keras.layers.Layer):
     """`keras.layers.Dropout` with cheaper random numbers.
 
-    Each element is zeroed with probability `effective_rate(rate)`, independently, and the kept
-    ones are scaled by `1 / (1 − effective_rate(rate))` (in the inputs' dtype, so exactly
-    unbiased in float32, as `keras.layers.Dropout`). Under JAX the random bits are
+    Each element is zeroed with probability `effective_rate(rate)` (`rate` itself wherever
+    Keras's dropout is used, below), independently, and the kept ones are scaled by
+    `1 / (1 − that rate)` (in the inputs' dtype, so exactly unbiased in float32, as
+    `keras.layers.Dropout`). Under JAX the random bits are
     Threefry-2x32 (see the module docstring), for any static shape up to 2³² elements. Under
     torch, on CPU tensors, one uniform draw decides two elements of the last axis, one in each
     half (the rate rounded up to a multiple of 1/2048). `keras.random.dropout` with `rate`
