@@ -106,15 +106,15 @@ class Dropout(keras.layers.Layer):
     Each element is zeroed with probability `effective_rate(rate)` (`rate` itself wherever
     Keras's dropout is used, below), independently, and the kept ones are scaled by
     `1 / (1 − that rate)` (in the inputs' dtype, so exactly unbiased in float32, as
-    `keras.layers.Dropout`). Under JAX the random bits are
-    Threefry-2x32 (see the module docstring), for any static shape up to 2³² elements. Under
-    torch, on CPU tensors, one uniform draw decides two elements of the last axis, one in each
-    half (the rate rounded up to a multiple of 1/2048). `keras.random.dropout` with `rate`
-    itself is used instead under TensorFlow, for shapes not known when traced (JAX), torch
-    tensors on an accelerator or under `torch.compile`, a last dimension that is odd or
-    unknown (torch), and rates that rounding would move by more than 1% (torch: below about
-    0.05, or above 2047/2048). Our own masks are applied by multiplication: as with torch's
-    dropout, a dropped inf or nan gives nan.
+    `keras.layers.Dropout`). Under JAX the random bits are Threefry-2x32 (see the module
+    docstring), for any static shape up to 2³² elements. Under torch, on CPU tensors, one
+    uniform draw decides two elements of the last axis, one in each half (the rate rounded up
+    to a multiple of 1/2048). `keras.random.dropout` with `rate` itself is used instead under
+    TensorFlow, for shapes not known when traced (JAX), torch tensors on an accelerator or
+    under `torch.compile`, a last dimension that is odd or unknown (torch), and rates that
+    rounding would move by more than 1% (torch: below about 0.05, or above 2047/2048). Our own
+    masks are applied by multiplication: as with torch's dropout, a dropped inf or nan gives
+    nan.
 
     Args:
         rate: in [0, 1).
