@@ -41,14 +41,14 @@ import subprocess
 import sys
 import time
 
+DROPOUT = 0.1  # the configs' rate; --dropout runs another
 CONFIGS = {
     "small": dict(d_model=128, num_heads=4, ff_dim=512, layers=2, length=32, batch=64,
-                  vocab=1000, warmup=3, steps=6, repeats=7),
+                  vocab=1000, warmup=3, steps=6, repeats=7, dropout=DROPOUT),
     "base": dict(d_model=512, num_heads=8, ff_dim=2048, layers=2, length=64, batch=16,
-                 vocab=1000, warmup=2, steps=3, repeats=5),
+                 vocab=1000, warmup=2, steps=3, repeats=5, dropout=DROPOUT),
 }
 BACKENDS = ("jax", "tensorflow", "torch")
-DROPOUT = 0.1
 POOL = 8  # distinct batches, cycled
 
 
@@ -123,7 +123,7 @@ def build_keras_tfm(cfg):
     return keras_tfm.build_transformer(
         cfg["vocab"], cfg["vocab"], d_model=cfg["d_model"], num_heads=cfg["num_heads"],
         ff_dim=cfg["ff_dim"], num_encoder_layers=cfg["layers"],
-        num_decoder_layers=cfg["layers"], dropout=DROPOUT, activation_dropout=0.0)
+        num_decoder_layers=cfg["layers"], dropout=cfg["dropout"], activation_dropout=0.0)
 
 
 def _inputs():
@@ -144,17 +144,17 @@ def build_keras_hub(cfg):
     def embed(tokens):
         x = keras.layers.Embedding(cfg["vocab"], d)(tokens) * (d ** 0.5)
         x = x + keras_hub.layers.SinePositionEncoding()(x)
-        return keras.layers.Dropout(DROPOUT)(x)
+        return keras.layers.Dropout(cfg["dropout"])(x)
 
     enc_mask, dec_mask = ops.not_equal(enc_tokens, 0), ops.not_equal(dec_tokens, 0)
     x = embed(enc_tokens)
     for _ in range(cfg["layers"]):
         x = keras_hub.layers.TransformerEncoder(cfg["ff_dim"], cfg["num_heads"],
-                                                dropout=DROPOUT)(x, padding_mask=enc_mask)
+                                                dropout=cfg["dropout"])(x, padding_mask=enc_mask)
     y = embed(dec_tokens)
     for _ in range(cfg["layers"]):
         y = keras_hub.layers.TransformerDecoder(cfg["ff_dim"], cfg["num_heads"],
-                                                dropout=DROPOUT)(
+                                                dropout=cfg["dropout"])(
             y, x, decoder_padding_mask=dec_mask, encoder_padding_mask=enc_mask)
     logits = keras.layers.Dense(cfg["vocab"])(y)
     return keras.Model([enc_tokens, dec_tokens], logits)
@@ -171,17 +171,17 @@ def build_keras_mha(cfg):
     def embed(tokens):
         x = keras.layers.Embedding(cfg["vocab"], d)(tokens) * (d ** 0.5)
         x = x + table[None, : cfg["length"]]
-        return keras.layers.Dropout(DROPOUT)(x)
+        return keras.layers.Dropout(cfg["dropout"])(x)
 
     def residual(x, sublayer_output):
         return keras.layers.LayerNormalization(epsilon=1e-5)(
-            x + keras.layers.Dropout(DROPOUT)(sublayer_output))
+            x + keras.layers.Dropout(cfg["dropout"])(sublayer_output))
 
     def feed_forward(x):
         return keras.layers.Dense(d)(keras.layers.Dense(cfg["ff_dim"], activation="relu")(x))
 
     def attention():
-        return keras.layers.MultiHeadAttention(heads, d // heads, dropout=DROPOUT)
+        return keras.layers.MultiHeadAttention(heads, d // heads, dropout=cfg["dropout"])
 
     enc_mask, dec_mask = ops.not_equal(enc_tokens, 0), ops.not_equal(dec_tokens, 0)
     x = embed(enc_tokens)
@@ -261,9 +261,9 @@ def torch_native_runner(cfg, batches):
             self.tgt_embedding = torch.nn.Embedding(v, d)
             self.register_buffer("positions", torch.as_tensor(
                 sinusoidal_table(cfg["length"], d)))
-            self.dropout = torch.nn.Dropout(DROPOUT)
+            self.dropout = torch.nn.Dropout(cfg["dropout"])
             self.transformer = torch.nn.Transformer(
-                d, cfg["num_heads"], cfg["layers"], cfg["layers"], cfg["ff_dim"], DROPOUT,
+                d, cfg["num_heads"], cfg["layers"], cfg["layers"], cfg["ff_dim"], cfg["dropout"],
                 batch_first=True)
             self.logits = torch.nn.Linear(d, v)
 
@@ -387,13 +387,11 @@ def matmul_bound(cfg):
 
 
 def run(backend, config, models=None, dropout=DROPOUT):
-    global DROPOUT
-    DROPOUT = dropout  # read by the model builders
     os.environ["KERAS_BACKEND"] = backend
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     import keras
 
-    cfg = CONFIGS[config]
+    cfg = dict(CONFIGS[config], dropout=dropout)
     batches = make_batches(cfg)
     tokens = cfg["batch"] * 2 * cfg["length"]
     results = {"backend": backend, "config": config, "cfg": cfg, "dropout": dropout,

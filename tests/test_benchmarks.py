@@ -11,7 +11,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 import train_throughput as tt  # noqa: E402
 
 TINY = dict(d_model=16, num_heads=2, ff_dim=32, layers=2, length=6, batch=4, vocab=30,
-            warmup=1, steps=1, repeats=1)
+            warmup=1, steps=1, repeats=1, dropout=0.1)
 
 
 def test_matmul_flops_by_hand():
