@@ -12,16 +12,17 @@ Two ways to draw less, each where it measured faster than Keras's dropout (bench
   benchmarks/dropout.py for the times.) Elements 2j and 2j + 1 take the two 32-bit words of
   counter j; an element is dropped when its word is below `rate · 2³²` (rounded up), so the
   rate is exact to 2⁻³².
-* Under torch, on CPU tensors, one float32 uniform number decides two elements, element j
-  and element j + w/2 of a last axis of width w: its top 11 bits and the rest are independent
-  uniform numbers. The rate is rounded up to a multiple of 1/2048 (0.1 → 0.10010) so that
-  both numbers drop with exactly that probability. (Keras's dropout calls torch's native one
-  there, whose CPU `bernoulli_` costs twice `torch.rand` an element.) On CUDA torch's native
-  dropout is one fused kernel and more than twice as fast as these ~10 kernel launches, and
-  under `torch.compile` Keras's seeded random numbers break the graph: both take Keras's
-  dropout (see `_paired_draws_suit`), which is torch's native one for an unseeded layer (as
-  keras_tfm builds them; with a `seed` Keras draws through a `torch.Generator`, which still
-  breaks a compiled graph).
+* Under torch, on CPU tensors, one random 64-bit integer decides four elements: its bytes,
+  viewed as four 16-bit integers (no arithmetic: a reinterpretation of the same memory),
+  are the numbers of four consecutive elements, each compared with one threshold. The rate is
+  rounded up to a multiple of 2⁻¹⁶ (0.1 → 0.100006). (Keras's dropout calls torch's native
+  one there, whose CPU `bernoulli_` took ~6 ns an element; these draws ~1 ns, four elements
+  to a 64-bit integer of torch's generator.) On CUDA torch's native
+  dropout is one fused kernel and faster than these separate kernel launches (measured for an
+  earlier form of these draws), and under `torch.compile` Keras's seeded random numbers break
+  the graph: both take Keras's dropout (see `_split_draws_suit`), which is torch's native one
+  for an unseeded layer (as keras_tfm builds them; with a `seed` Keras draws through a
+  `torch.Generator`, which still breaks a compiled graph).
 
 Under TensorFlow `keras.random.dropout` is used as it is. Either way the kept elements are
 scaled by 1 / (1 − the applied rate): the expectation is unchanged, as with
@@ -36,21 +37,21 @@ from keras import ops
 
 from keras_tfm._checks import check_dropout
 
-_PAIR_STEPS = 2048.0  # resolution of each of the two numbers taken from one uniform draw
+_FIELD = 2.0**16  # resolution of each of the four numbers taken from one 64-bit draw
 _WORD = 2.0**32  # resolution of a Threefry word
 _ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
 _PARITY = 0x1BD11BDA
 
 
 # How `Dropout` draws on each backend, and the resolution of its rate; other backends use
-# `keras.random.dropout` (TensorFlow: its graph runs the paired path's ~10 ops as separate
-# kernels, slower than Keras's dropout; benchmarks/dropout.py).
-_DRAWS = {"jax": ("threefry", _WORD), "torch": ("pairs", _PAIR_STEPS)}
+# `keras.random.dropout` (TensorFlow: its graph ran an earlier form of torch's path, ~10 ops
+# as separate kernels, slower than Keras's dropout; benchmarks/README.md).
+_DRAWS = {"jax": ("threefry", _WORD), "torch": ("split", _FIELD)}
 
 
 def effective_rate(rate, backend=None):
     """The drop probability `Dropout(rate)` applies on `backend` (default: Keras's): `rate`
-    rounded up to a multiple of 2⁻³² under JAX, of 1/2048 under torch, `rate` itself under
+    rounded up to a multiple of 2⁻³² under JAX, of 2⁻¹⁶ under torch, `rate` itself under
     TensorFlow (Keras's dropout). The torch value is that of CPU tensors run eagerly; on an
     accelerator or under `torch.compile` the layer applies `rate` itself (Keras's dropout),
     which this function, given no tensor, cannot see."""
@@ -58,13 +59,15 @@ def effective_rate(rate, backend=None):
     return rate if draws is None else math.ceil(rate * draws[1]) / draws[1]
 
 
-def _paired_draws_suit(inputs):
-    """Whether torch's paired draws are the faster choice for `inputs`: CPU tensors, outside
+def _split_draws_suit(inputs):
+    """Whether torch's split draws are the faster choice for `inputs`: CPU tensors, outside
     `torch.compile`. (torch only; the one place keras_tfm asks a tensor for its device.)
 
-    On an H200, forward + backward, torch's native dropout took 0.42-0.51 ms and the paired
-    draws 0.96-1.09 ms, from (64, 32, 128) to (32, 512, 1024) (benchmarks/dropout.py): on CUDA
-    the ~10 small kernels of the paired draws cost more than the random numbers they save.
+    On an H200, forward + backward, torch's native dropout took 0.42-0.51 ms and an earlier
+    form of these draws (one float32 uniform per two elements, ~10 kernels) 0.96-1.09 ms, from
+    (64, 32, 128) to (32, 512, 1024) (benchmarks/dropout.py): on CUDA the separate kernels cost
+    more than the random numbers they save. (The split draws need ~5 kernels; not measured on
+    a GPU.)
     Under `torch.compile`, Keras draws seeded random numbers through a `torch.Generator`
     outside the graph (dynamo cannot trace it), one graph break per layer call, while Keras's
     unseeded dropout (`torch.nn.functional.dropout`) compiles; a layer given a `seed` still
@@ -108,13 +111,12 @@ class Dropout(keras.layers.Layer):
     `1 / (1 − that rate)` (in the inputs' dtype, so exactly unbiased in float32, as
     `keras.layers.Dropout`). Under JAX the random bits are Threefry-2x32 (see the module
     docstring), for any static shape up to 2³² elements. Under torch, on CPU tensors, one
-    uniform draw decides two elements of the last axis, one in each half (the rate rounded up
-    to a multiple of 1/2048). `keras.random.dropout` with `rate` itself is used instead under
+    64-bit random integer decides four consecutive elements, 16 bits each (the rate rounded
+    up to a multiple of 2⁻¹⁶). `keras.random.dropout` with `rate` itself is used instead under
     TensorFlow, for shapes not known when traced (JAX), torch tensors on an accelerator or
-    under `torch.compile`, a last dimension that is odd or unknown (torch), and rates that
-    rounding would move by more than 1% (torch: below about 0.05, or above 2047/2048). Our own
-    masks are applied by multiplication: as with torch's dropout, a dropped inf or nan gives
-    nan.
+    under `torch.compile`, and rates that rounding would move by more than 1% (torch: below
+    about 0.0015, or above 65535/65536). Our own masks are applied by multiplication: as with
+    torch's dropout, a dropped inf or nan gives nan.
 
     Args:
         rate: in [0, 1).
@@ -145,8 +147,8 @@ class Dropout(keras.layers.Layer):
         keep = None
         if self._draws == "threefry":
             keep = self._threefry_keep(inputs)
-        elif self._draws == "pairs" and _paired_draws_suit(inputs):
-            keep = self._paired_keep(inputs)
+        elif self._draws == "split" and _split_draws_suit(inputs):
+            keep = self._split_keep(inputs)
         if keep is None:
             return keras.random.dropout(inputs, self.rate, seed=self.seed_generator)
         # A multiplication by the scaled mask, not a select: one tensor op less forward and
@@ -170,23 +172,19 @@ class Dropout(keras.layers.Layer):
         bits = ops.where(ops.equal(ops.bitwise_and(index, _u32(1)), _u32(0)), high, low)
         return ops.greater_equal(bits, _u32(self._effective_rate * _WORD))
 
-    def _paired_keep(self, inputs):
-        width = inputs.shape[-1]
-        if width is None or width % 2:
-            return None
-        shape = tuple(ops.shape(inputs)[:-1]) + (width // 2,)
-        # float32 whatever `floatx` is: the split below needs the uniform's 23 random bits.
-        uniform = keras.random.uniform(shape, dtype="float32", seed=self.seed_generator)
-        rate = self._effective_rate  # k / 2048
-        scaled = uniform * _PAIR_STEPS  # exact: a power of two
-        # uniform >= k / 2048 compares the top 11 bits (floor(scaled) >= k); the fraction of
-        # `scaled` is the remaining bits, uniform in [0, 1) and independent of them. The first
-        # half of the last axis takes the top bits, the second half the rest: two contiguous
-        # blocks. Interleaved instead (elements 2j and 2j + 1 sharing a draw) the layer alone
-        # took 11-18% longer, timed side by side (torch copies an inner axis of 2 slowly).
-        # keras_tfm's multi-device path under torch is DDP, which splits batches, so no pair
-        # spans devices.
-        return ops.concatenate([uniform >= rate, scaled - ops.floor(scaled) >= rate], axis=-1)
+    def _split_keep(self, inputs):
+        shape = tuple(ops.shape(inputs))  # concrete: eager torch
+        size = math.prod(shape)
+        # Four 16-bit numbers from each 64-bit integer (torch makes one from two 32-bit outputs
+        # of its generator, so every bit is random; the range [-2⁶³, 2⁶³ - 1) leaves out one of
+        # the 2⁶⁴ values, a bias of 2⁻⁶⁴).
+        words = keras.random.randint((-(-size // 4),), -(2**63), 2**63 - 1, dtype="int64",
+                                     seed=self.seed_generator)
+        fields = ops.reshape(ops.view(words, "int16")[:size], shape)  # views: no copy
+        # As int16 the numbers run over [-2¹⁵, 2¹⁵), each value once: the lowest k = rate · 2¹⁶
+        # of them drop.
+        threshold = int(self._effective_rate * _FIELD) - 2**15
+        return ops.greater_equal(fields, ops.convert_to_tensor(threshold, dtype="int16"))
 
     def compute_output_shape(self, input_shape):
         return input_shape

@@ -1,4 +1,4 @@
-"""keras_tfm.Dropout: cheaper random bits (Threefry under JAX, two elements per uniform draw
+"""keras_tfm.Dropout: cheaper random bits (Threefry under JAX, four elements per 64-bit draw
 under torch on CPU tensors), the same statistics as inverted dropout."""
 
 import math
@@ -15,7 +15,7 @@ ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
 
 @pytest.fixture(autouse=True)
 def _torch_tensors_on_cpu():
-    """Under torch the paired draws are the CPU path (CUDA tensors take Keras's dropout, the
+    """Under torch the split draws are the CPU path (CUDA tensors take Keras's dropout, the
     last test): on a GPU machine these tests still check them, on CPU tensors."""
     if BACKEND != "torch":
         yield
@@ -40,10 +40,10 @@ def np_threefry2x32(key, x0, x1):
 
 
 def test_effective_rate_per_backend():
-    # Threefry words (JAX): 32 bits; one uniform per two elements (torch): 11 bits each;
-    # TensorFlow: Keras's dropout, the rate itself.
+    # Threefry words (JAX): 32 bits; one 64-bit integer per four elements (torch): 16 bits
+    # each; TensorFlow: Keras's dropout, the rate itself.
     assert effective_rate(0.1, "jax") == math.ceil(0.1 * 2**32) / 2**32
-    assert effective_rate(0.1, "torch") == 205 / 2048
+    assert effective_rate(0.1, "torch") == 6554 / 2**16
     assert effective_rate(0.5, "torch") == 0.5
     assert effective_rate(0.1, "tensorflow") == 0.1
     assert effective_rate(0.0) == 0.0
@@ -70,9 +70,10 @@ def test_threefry_known_answers():
 def test_mask_is_the_documented_function_of_the_seed():
     """The layer's mask, recomputed in NumPy from the same seed: under JAX, word `e mod 2` of
     Threefry(key, (0, e // 2)) for flat index e with the seed generator's key; under torch,
-    the top 11 bits (first half of the last axis) and the rest (second half) of the uniform
-    Keras draws for that seed; under TensorFlow, `keras.random.dropout` itself."""
-    rate, shape = 0.3, (4, 6, 10)
+    16-bit field e of the 64-bit integers Keras draws for that seed (a size that is not a
+    multiple of four: the last integer's last fields go unused); under TensorFlow,
+    `keras.random.dropout` itself."""
+    rate, shape = 0.3, (3, 6, 11)
     y = to_np(Dropout(rate, seed=7)(np.ones(shape, "float32"), training=True))
     p = effective_rate(rate)
     if BACKEND == "jax":
@@ -85,11 +86,12 @@ def test_mask_is_the_documented_function_of_the_seed():
         keep = to_np(keras.random.dropout(np.ones(shape, "float32"), rate,
                                           seed=keras.random.SeedGenerator(7))) != 0
     else:
-        uniform = to_np(keras.random.uniform(shape[:-1] + (shape[-1] // 2,),
-                                             seed=keras.random.SeedGenerator(7)))
-        scaled = uniform * 2048
-        keep = np.concatenate([np.floor(scaled) >= p * 2048, scaled - np.floor(scaled) >= p],
-                              axis=-1)
+        size = math.prod(shape)
+        words = to_np(keras.random.randint((-(-size // 4),), -(2**63), 2**63 - 1,
+                                           dtype="int64", seed=keras.random.SeedGenerator(7)))
+        assert size % 4 and words.dtype == np.int64
+        fields = words.view(np.int16)[:size].reshape(shape)  # [-2**15, 2**15), each value once
+        keep = fields >= p * 2**16 - 2**15  # the lowest p * 2**16 values drop
     np.testing.assert_array_equal(y != 0, keep)
     np.testing.assert_allclose(y[keep], 1 / (1 - p), rtol=1e-6)
 
@@ -103,23 +105,24 @@ def test_drop_probability_scale_and_independence(rate):
     p = effective_rate(rate)
     sigma = np.sqrt(p * (1 - p) / dropped.size)
     assert abs(dropped.mean() - p) < 5 * sigma
-    # Both numbers taken from one draw drop at that rate, and independently of each other:
-    # elements 2j and 2j + 1 under JAX (the two words of one Threefry counter), j and j + w/2
-    # under torch (one uniform number); under TensorFlow any two distinct elements.
-    if BACKEND == "torch":
-        first, second = np.split(dropped, 2, axis=-1)
-    else:
-        first, second = dropped[..., 0::2], dropped[..., 1::2]
-    assert abs(first.mean() - p) < 5 * sigma * np.sqrt(2)
-    assert abs(second.mean() - p) < 5 * sigma * np.sqrt(2)
-    both = (first & second).mean()
-    assert abs(both - p * p) < 5 * np.sqrt(p * p * (1 - p * p) / first.size)
+    # All numbers taken from one draw drop at that rate, and independently of each other:
+    # elements 2j and 2j + 1 under JAX (the two words of one Threefry counter), 4j to 4j + 3
+    # under torch (the four 16-bit fields of one 64-bit integer); under TensorFlow any
+    # distinct elements.
+    group = 4 if BACKEND == "torch" else 2
+    fields = [dropped[..., i::group] for i in range(group)]
+    for i, first in enumerate(fields):
+        assert abs(first.mean() - p) < 5 * sigma * np.sqrt(group)
+        for second in fields[i + 1:]:
+            both = (first & second).mean()
+            assert abs(both - p * p) < 5 * np.sqrt(p * p * (1 - p * p) / first.size)
     # Kept elements are scaled so that the expectation is unchanged.
     np.testing.assert_allclose(y[~dropped], 1 / (1 - p), rtol=1e-6)
     assert abs(y.mean() - 1.0) < 5 * sigma / (1 - p)
     # Nor are elements of different draws, nor the same element along other axes.
-    np.testing.assert_allclose((dropped[..., 1:-1:2] & dropped[..., 2::2]).mean(), p * p,
-                               atol=5 * sigma * np.sqrt(2))
+    np.testing.assert_allclose(
+        (dropped[..., group - 1:-1:group] & dropped[..., group::group]).mean(), p * p,
+        atol=5 * sigma * np.sqrt(group))
     np.testing.assert_allclose((dropped[:, :-1] & dropped[:, 1:]).mean(), p * p,
                                atol=5 * sigma)
 
@@ -137,7 +140,8 @@ def test_new_mask_per_call_identity_without_training_and_config():
         Dropout(1.0)
 
 
-def test_odd_width_falls_back_to_keras_dropout():
+def test_odd_sizes():
+    # 64 * 64 * 33 elements: odd, not a multiple of four (torch's draws), nor of two (JAX's).
     x = np.ones((64, 64, 33), "float32")
     y = to_np(Dropout(0.25, seed=2)(x, training=True))
     assert abs((y == 0).mean() - 0.25) < 0.01
@@ -188,25 +192,29 @@ def test_random_bits_do_not_depend_on_floatx(floatx):
 
 def test_rates_that_rounding_would_move_use_keras_dropout():
     x = np.ones((64, 64, 256), "float32")
-    for rate in (0.01, 0.9999):
-        y = to_np(Dropout(rate, seed=6)(x, training=True))  # no division by zero at 0.9999
+    # torch: 0.0001 would become 7 / 2**16 (+7%), 0.99999 would become 1 (no kept element),
+    # so Keras's dropout applies the rate itself; its scale tells them apart (the rounded
+    # rate's is 7e-6 off at 0.0001). JAX rounds to 2**-32, which moves neither rate by 1%.
+    for rate in (0.0001, 0.99999):
+        y = to_np(Dropout(rate, seed=6)(x, training=True))
         np.testing.assert_allclose((y == 0).mean(), rate, atol=0.003)
-        np.testing.assert_allclose(y[y != 0], 1 / (1 - rate), rtol=1e-5)
+        applied = effective_rate(rate) if BACKEND == "jax" else rate
+        np.testing.assert_allclose(y[y != 0], 1 / (1 - applied), rtol=1e-6)
 
 
-@pytest.mark.skipif(BACKEND != "torch", reason="the paired draws' device rule is torch's")
+@pytest.mark.skipif(BACKEND != "torch", reason="the split draws' device rule is torch's")
 def test_torch_takes_keras_dropout_off_cpu_and_under_compile():
-    """torch's paired draws serve CPU tensors outside torch.compile; anything else takes
+    """torch's split draws serve CPU tensors outside torch.compile; anything else takes
     Keras's dropout (on CUDA torch's fused dropout was faster, benchmarks/README.md)."""
     import torch
 
-    from keras_tfm.dropout import _paired_draws_suit
+    from keras_tfm.dropout import _split_draws_suit
 
-    assert _paired_draws_suit(torch.ones(2, 4))
+    assert _split_draws_suit(torch.ones(2, 4))
     # Any other device (CUDA, or the meta device Keras traces shapes on).
-    assert not _paired_draws_suit(torch.ones(2, 4, device="meta"))
+    assert not _split_draws_suit(torch.ones(2, 4, device="meta"))
     if torch.cuda.is_available():  # a GPU machine checks CUDA itself
-        assert not _paired_draws_suit(torch.ones(2, 4, device="cuda"))
+        assert not _split_draws_suit(torch.ones(2, 4, device="cuda"))
     y = Dropout(0.1)(torch.ones(2, 4, device="meta"), training=True)
     assert y.device.type == "meta" and tuple(y.shape) == (2, 4)
     # Under torch.compile (Keras's `jit_compile=True` on torch): Keras's unseeded dropout,
@@ -215,5 +223,5 @@ def test_torch_takes_keras_dropout_off_cpu_and_under_compile():
     compiled = torch.compile(lambda x: layer(x, training=True), fullgraph=True, backend="eager")
     y = to_np(compiled(torch.ones(64, 64, 256)))
     np.testing.assert_allclose((y == 0).mean(), 0.1, atol=0.005)
-    # Keras's rate, not the paired draws' 205/2048: the scale tells them apart.
+    # Keras's rate, not the split draws' 6554/2**16: the scale tells them apart (7e-6).
     np.testing.assert_allclose(y[y != 0], 1 / 0.9, rtol=1e-6)
