@@ -144,13 +144,16 @@ class Dropout(keras.layers.Layer):
     def call(self, inputs, training=False):
         if not training or self.rate == 0:
             return inputs
-        keep = None
-        if self._draws == "threefry":
-            keep = self._threefry_keep(inputs)
-        elif self._draws == "split" and _split_draws_suit(inputs):
-            keep = self._split_keep(inputs)
+        if self._draws == "split" and _split_draws_suit(inputs):
+            # A CPU tensor: draw there, whatever Keras's device (on a GPU machine, CUDA).
+            with keras.device("cpu"):
+                return self._masked(inputs, self._split_keep(inputs))
+        keep = self._threefry_keep(inputs) if self._draws == "threefry" else None
         if keep is None:
             return keras.random.dropout(inputs, self.rate, seed=self.seed_generator)
+        return self._masked(inputs, keep)
+
+    def _masked(self, inputs, keep):
         # A multiplication by the scaled mask, not a select: one tensor op less forward and
         # backward, which eager torch pays (as torch's own dropout, a dropped inf gives nan).
         scale = ops.cast(1.0 / (1.0 - self._effective_rate), inputs.dtype)
