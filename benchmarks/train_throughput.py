@@ -309,7 +309,7 @@ def time_interleaved(runners, cfg):
     """Seconds per step of each runner: the repeats go round the runners in turn, so a slow
     spell of the machine falls on all of them alike; median per runner. One untimed round
     first, once every runner is built: under TensorFlow the first call of each model but the
-    last one built ran 3-4x slower than its later calls (all models alike, by build order), and
+    last one built ran 2-4x slower than its later calls (all models alike, by build order), and
     the median of 5 or 7 repeats kept part of that against the models built first."""
     for run in runners.values():
         run(0)

@@ -62,7 +62,7 @@ def test_tensorflow_gets_the_same_batches_without_autotuning():
 
 def test_the_first_call_after_every_build_is_not_timed(monkeypatch):
     """One untimed round once all models are built (under TensorFlow the first call of every
-    model but the last built ran 3-4x slower), then the repeats in turns. A fake clock: each
+    model but the last built ran 2-4x slower), then the repeats in turns. A fake clock: each
     runner's call takes 100 s the first time and 1 s after."""
     clock, calls = [0.0], {"a": [], "b": []}
     monkeypatch.setattr(tt.time, "perf_counter", lambda: clock[0])
