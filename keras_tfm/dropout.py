@@ -17,12 +17,12 @@ Two ways to draw less, each where it measured faster than Keras's dropout (bench
   are the numbers of four consecutive elements, each compared with one threshold. The rate is
   rounded up to a multiple of 2⁻¹⁶ (0.1 → 0.100006). (Keras's dropout calls torch's native
   one there, whose CPU `bernoulli_` took ~6 ns an element; these draws ~1 ns, four elements
-  to a 64-bit integer of torch's generator.) On CUDA torch's native
-  dropout is one fused kernel and faster than these separate kernel launches (measured for an
-  earlier form of these draws), and under `torch.compile` Keras's seeded random numbers break
-  the graph: both take Keras's dropout (see `_split_draws_suit`), which is torch's native one
-  for an unseeded layer (as keras_tfm builds them; with a `seed` Keras draws through a
-  `torch.Generator`, which still breaks a compiled graph).
+  to a 64-bit integer of torch's generator.) On CUDA torch's native dropout is one fused
+  kernel and faster than these separate kernel launches (measured for an earlier form of
+  these draws), and under `torch.compile` Keras's seeded random numbers break the graph: both
+  take Keras's dropout (see `_split_draws_suit`), which is torch's native one for an unseeded
+  layer (as keras_tfm builds them; with a `seed` Keras draws through a `torch.Generator`,
+  which still breaks a compiled graph).
 
 Under TensorFlow `keras.random.dropout` is used as it is. Either way the kept elements are
 scaled by 1 / (1 − the applied rate): the expectation is unchanged, as with
