@@ -12,21 +12,23 @@ Two ways to draw less, each where it measured faster than Keras's dropout (bench
   benchmarks/dropout.py for the times.) Elements 2j and 2j + 1 take the two 32-bit words of
   counter j; an element is dropped when its word is below `rate · 2³²` (rounded up), so the
   rate is exact to 2⁻³².
-* Under torch, on CPU tensors, one random 64-bit integer decides four elements: its bytes,
-  viewed as four 16-bit integers (no arithmetic: a reinterpretation of the same memory),
-  are the numbers of four consecutive elements, each compared with one threshold. The rate is
-  rounded up to a multiple of 2⁻¹⁶ (0.1 → 0.100006). (Keras's dropout calls torch's native
-  one there, whose CPU `bernoulli_` took ~6 ns an element; these draws ~1 ns, four elements
-  to a 64-bit integer of torch's generator.) On CUDA torch's native dropout is one fused
-  kernel and faster than these separate kernel launches (measured for an earlier form of
-  these draws), and under `torch.compile` Keras's seeded random numbers break the graph: both
-  take Keras's dropout (see `_split_draws_suit`), which is torch's native one for an unseeded
-  layer (as keras_tfm builds them; with a `seed` Keras draws through a `torch.Generator`,
-  which still breaks a compiled graph).
+* Under torch and TensorFlow, on the CPU, one random 64-bit integer decides four elements:
+  its bytes, viewed as four 16-bit integers (no arithmetic: a reinterpretation of the same
+  memory), are the numbers of four consecutive elements, each compared with one threshold.
+  The rate is rounded up to a multiple of 2⁻¹⁶ (0.1 → 0.100006). (Keras's dropout calls
+  torch's native one there, whose CPU `bernoulli_` took ~6 ns an element; these draws ~1 ns,
+  four elements to a 64-bit integer of torch's generator. Under TensorFlow Keras's dropout
+  draws a float32 uniform number per element; these draws took 27-41% less time than it,
+  forward and backward, and 2-5% less a training step.) On CUDA torch's native dropout is
+  one fused kernel and faster than these separate kernel launches (measured for an earlier
+  form of these draws), and under `torch.compile` Keras's seeded random numbers break the
+  graph: both take Keras's dropout (see `_split_draws_suit`), which is torch's native one for
+  an unseeded layer (as keras_tfm builds them; with a `seed` Keras draws through a
+  `torch.Generator`, which still breaks a compiled graph). Under TensorFlow with a GPU or TPU
+  present the layer takes Keras's dropout too (these draws were not measured there).
 
-Under TensorFlow `keras.random.dropout` is used as it is. Either way the kept elements are
-scaled by 1 / (1 − the applied rate): the expectation is unchanged, as with
-`keras.layers.Dropout`.
+Either way the kept elements are scaled by 1 / (1 − the applied rate): the expectation is
+unchanged, as with `keras.layers.Dropout`.
 """
 
 import math
@@ -44,15 +46,14 @@ _PARITY = 0x1BD11BDA
 
 
 # How `Dropout` draws on each backend, and the resolution of its rate; other backends use
-# `keras.random.dropout` (TensorFlow: its graph ran an earlier form of torch's path, ~10 ops
-# as separate kernels, slower than Keras's dropout; benchmarks/README.md).
-_DRAWS = {"jax": ("threefry", _WORD), "torch": ("split", _FIELD)}
+# `keras.random.dropout`.
+_DRAWS = {"jax": ("threefry", _WORD), "torch": ("split", _FIELD), "tensorflow": ("split", _FIELD)}
 
 
 def effective_rate(rate, backend=None):
     """The drop probability `Dropout(rate)` applies on `backend` (default: Keras's): `rate`
-    rounded up to a multiple of 2⁻³² under JAX, of 2⁻¹⁶ under torch, `rate` itself under
-    TensorFlow (Keras's dropout). The torch value is that of CPU tensors run eagerly; on an
+    rounded up to a multiple of 2⁻³² under JAX, of 2⁻¹⁶ under torch and TensorFlow. The
+    torch and TensorFlow value is that of the CPU (under torch: tensors run eagerly); on an
     accelerator or under `torch.compile` the layer applies `rate` itself (Keras's dropout),
     which this function, given no tensor, cannot see."""
     draws = _DRAWS.get(backend or keras.backend.backend())
@@ -60,8 +61,10 @@ def effective_rate(rate, backend=None):
 
 
 def _split_draws_suit(inputs):
-    """Whether torch's split draws are the faster choice for `inputs`: CPU tensors, outside
-    `torch.compile`. (torch only; the one place keras_tfm asks a tensor for its device.)
+    """Whether the split draws are the faster choice for `inputs`: under torch, CPU tensors
+    outside `torch.compile` (the one place keras_tfm asks a tensor for its device); under
+    TensorFlow, a process that sees no GPU or TPU (a traced graph's tensors do not know their
+    device yet, and TensorFlow places them on an accelerator where there is one).
 
     On an H200, forward + backward, torch's native dropout took 0.42-0.51 ms and an earlier
     form of these draws (one float32 uniform per two elements, ~10 kernels) 0.96-1.09 ms, from
@@ -72,6 +75,8 @@ def _split_draws_suit(inputs):
     outside the graph (dynamo cannot trace it), one graph break per layer call, while Keras's
     unseeded dropout (`torch.nn.functional.dropout`) compiles; a layer given a `seed` still
     breaks the graph (Keras's seeded dropout uses the generator too)."""
+    if keras.backend.backend() == "tensorflow":
+        return all(device.startswith("cpu") for device in keras.distribution.list_devices())
     import torch
 
     return inputs.device.type == "cpu" and not torch.compiler.is_compiling()
@@ -110,13 +115,14 @@ class Dropout(keras.layers.Layer):
     Keras's dropout is used, below), independently, and the kept ones are scaled by
     `1 / (1 − that rate)` (in the inputs' dtype, so exactly unbiased in float32, as
     `keras.layers.Dropout`). Under JAX the random bits are Threefry-2x32 (see the module
-    docstring), for any static shape up to 2³² elements. Under torch, on CPU tensors, one
-    64-bit random integer decides four consecutive elements, 16 bits each (the rate rounded
-    up to a multiple of 2⁻¹⁶). `keras.random.dropout` with `rate` itself is used instead under
-    TensorFlow, for shapes not known when traced (JAX), torch tensors on an accelerator or
-    under `torch.compile`, and rates that rounding would move by more than 1% (torch: below
-    about 0.0015, or above 65535/65536). Our own masks are applied by multiplication: as with
-    torch's dropout, a dropped inf or nan gives nan.
+    docstring), for any static shape up to 2³² elements. Under torch and TensorFlow, on the
+    CPU, one 64-bit random integer decides four consecutive elements, 16 bits each (the rate
+    rounded up to a multiple of 2⁻¹⁶), for any shape, also one not known when traced.
+    `keras.random.dropout` with `rate` itself is used instead for shapes not known when traced
+    (JAX), torch tensors on an accelerator or under `torch.compile`, TensorFlow with a GPU or
+    TPU present, and rates that rounding would move by more than 1% (torch and TensorFlow:
+    below about 0.0015, or above 65535/65536). Our own masks are applied by multiplication:
+    as with torch's dropout, a dropped inf or nan gives nan.
 
     Args:
         rate: in [0, 1).
@@ -145,7 +151,7 @@ class Dropout(keras.layers.Layer):
         if not training or self.rate == 0:
             return inputs
         if self._draws == "split" and _split_draws_suit(inputs):
-            # A CPU tensor: draw there, whatever Keras's device (on a GPU machine, CUDA).
+            # A CPU tensor: draw there, whatever Keras's device (torch on a GPU machine: CUDA).
             with keras.device("cpu"):
                 return self._masked(inputs, self._split_keep(inputs))
         keep = self._threefry_keep(inputs) if self._draws == "threefry" else None
@@ -176,14 +182,15 @@ class Dropout(keras.layers.Layer):
         return ops.greater_equal(bits, _u32(self._effective_rate * _WORD))
 
     def _split_keep(self, inputs):
-        shape = tuple(ops.shape(inputs))  # concrete: eager torch
+        shape = ops.shape(inputs)  # under TensorFlow, unknown dimensions are tensors
         size = math.prod(shape)
-        # Four 16-bit numbers from each 64-bit integer (torch makes one from two 32-bit outputs
-        # of its generator, so every bit is random; the range [-2⁶³, 2⁶³ - 1) leaves out one of
-        # the 2⁶⁴ values, a bias of 2⁻⁶⁴).
-        words = keras.random.randint((-(-size // 4),), -(2**63), 2**63 - 1, dtype="int64",
+        # Four 16-bit numbers from each 64-bit integer (torch and TensorFlow make one from two
+        # 32-bit outputs of their generators, so every bit is random; the range
+        # [-2⁶³, 2⁶³ - 1) leaves out one of the 2⁶⁴ values, a bias of 2⁻⁶⁴).
+        words = keras.random.randint((-(-size // 4), 1), -(2**63), 2**63 - 1, dtype="int64",
                                      seed=self.seed_generator)
-        fields = ops.reshape(ops.view(words, "int16")[:size], shape)  # views: no copy
+        # (n, 1) int64 -> (n, 4) int16: a static last axis, as Keras's TensorFlow `view` needs.
+        fields = ops.reshape(ops.reshape(ops.view(words, "int16"), (-1,))[:size], shape)
         # As int16 the numbers run over [-2¹⁵, 2¹⁵), each value once: the lowest k = rate · 2¹⁶
         # of them drop.
         threshold = int(self._effective_rate * _FIELD) - 2**15

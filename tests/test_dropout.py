@@ -1,5 +1,5 @@
 """keras_tfm.Dropout: cheaper random bits (Threefry under JAX, four elements per 64-bit draw
-under torch on CPU tensors), the same statistics as inverted dropout."""
+under torch and TensorFlow on the CPU), the same statistics as inverted dropout."""
 
 import math
 
@@ -11,6 +11,13 @@ from helpers import BACKEND, to_np
 from keras_tfm.dropout import Dropout, effective_rate, threefry2x32
 
 ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
+SPLIT = BACKEND in ("torch", "tensorflow")  # four 16-bit fields per 64-bit draw (on the CPU)
+# Under TensorFlow with a GPU or TPU present the layer takes Keras's dropout instead; the
+# tests that pin the split draws' rate and bits are for the CPU machines that run the suite.
+cpu_draws = pytest.mark.skipif(
+    BACKEND == "tensorflow" and any(not d.startswith("cpu")
+                                    for d in keras.distribution.list_devices()),
+    reason="TensorFlow sees an accelerator: Keras's dropout, not the split draws")
 
 
 @pytest.fixture(autouse=True)
@@ -40,12 +47,11 @@ def np_threefry2x32(key, x0, x1):
 
 
 def test_effective_rate_per_backend():
-    # Threefry words (JAX): 32 bits; one 64-bit integer per four elements (torch): 16 bits
-    # each; TensorFlow: Keras's dropout, the rate itself.
+    # Threefry words (JAX): 32 bits; one 64-bit integer per four elements (torch, TensorFlow):
+    # 16 bits each.
     assert effective_rate(0.1, "jax") == math.ceil(0.1 * 2**32) / 2**32
-    assert effective_rate(0.1, "torch") == 6554 / 2**16
-    assert effective_rate(0.5, "torch") == 0.5
-    assert effective_rate(0.1, "tensorflow") == 0.1
+    assert effective_rate(0.1, "torch") == effective_rate(0.1, "tensorflow") == 6554 / 2**16
+    assert effective_rate(0.5, "torch") == effective_rate(0.5, "tensorflow") == 0.5
     assert effective_rate(0.0) == 0.0
 
 
@@ -67,13 +73,13 @@ def test_threefry_known_answers():
         assert tuple(int(r[0]) for r in reference) == expected
 
 
+@cpu_draws
 def test_mask_is_the_documented_function_of_the_seed():
     """The layer's mask, recomputed in NumPy from the same seed: under JAX, word `e mod 2` of
-    Threefry(key, (0, e // 2)) for flat index e with the seed generator's key; under torch,
-    16-bit field e of the 64-bit integers Keras draws for that seed (a size that is not a
-    multiple of four: the last integer's last fields go unused; ~1M elements, so that every
-    16-bit value, the threshold's neighbours included, comes up ~16 times); under TensorFlow,
-    `keras.random.dropout` itself."""
+    Threefry(key, (0, e // 2)) for flat index e with the seed generator's key; under torch and
+    TensorFlow, 16-bit field e of the 64-bit integers Keras draws for that seed (a size that
+    is not a multiple of four: the last integer's last fields go unused; ~1M elements, so that
+    every 16-bit value, the threshold's neighbours included, comes up ~16 times)."""
     rate, shape = 0.3, (63, 127, 131)
     y = to_np(Dropout(rate, seed=7)(np.ones(shape, "float32"), training=True))
     p = effective_rate(rate)
@@ -83,15 +89,12 @@ def test_mask_is_the_documented_function_of_the_seed():
         high, low = np_threefry2x32(key, np.zeros_like(index // 2), index // 2)
         bits = np.where(index % 2 == 0, high, low).reshape(shape)
         keep = bits >= np.uint32(p * 2**32)
-    elif BACKEND == "tensorflow":
-        keep = to_np(keras.random.dropout(np.ones(shape, "float32"), rate,
-                                          seed=keras.random.SeedGenerator(7))) != 0
     else:
         size = math.prod(shape)
-        words = to_np(keras.random.randint((-(-size // 4),), -(2**63), 2**63 - 1,
+        words = to_np(keras.random.randint((-(-size // 4), 1), -(2**63), 2**63 - 1,
                                            dtype="int64", seed=keras.random.SeedGenerator(7)))
         assert size % 4 and words.dtype == np.int64
-        fields = words.view(np.int16)[:size].reshape(shape)  # [-2**15, 2**15), each value once
+        fields = words.view(np.int16).ravel()[:size].reshape(shape)  # [-2**15, 2**15)
         threshold = p * 2**16 - 2**15  # the lowest p * 2**16 values drop
         keep = fields >= threshold
         # An off-by-one threshold would show: both neighbours of the boundary occur.
@@ -100,6 +103,7 @@ def test_mask_is_the_documented_function_of_the_seed():
     np.testing.assert_allclose(y[keep], 1 / (1 - p), rtol=1e-6)
 
 
+@cpu_draws
 @pytest.mark.parametrize("rate", [0.1, 0.3])
 def test_drop_probability_scale_and_independence(rate):
     layer = Dropout(rate, seed=3)
@@ -111,9 +115,8 @@ def test_drop_probability_scale_and_independence(rate):
     assert abs(dropped.mean() - p) < 5 * sigma
     # All numbers taken from one draw drop at that rate, and independently of each other:
     # elements 2j and 2j + 1 under JAX (the two words of one Threefry counter), 4j to 4j + 3
-    # under torch (the four 16-bit fields of one 64-bit integer); under TensorFlow any
-    # distinct elements.
-    group = 4 if BACKEND == "torch" else 2
+    # under torch and TensorFlow (the four 16-bit fields of one 64-bit integer).
+    group = 4 if SPLIT else 2
     fields = [dropped[..., i::group] for i in range(group)]
     for i, first in enumerate(fields):
         assert abs(first.mean() - p) < 5 * sigma * np.sqrt(group)
@@ -144,9 +147,11 @@ def test_new_mask_per_call_identity_without_training_and_config():
         Dropout(1.0)
 
 
+@cpu_draws
 def test_odd_sizes():
-    # 65 * 63 * 33 elements: odd, so not a multiple of four (torch's draws) nor of two (JAX's).
-    # The scale is that of our own draws' rate (Keras's dropout would be 7e-6 off, torch).
+    # 65 * 63 * 33 elements: odd, so not a multiple of four (torch's and TensorFlow's draws)
+    # nor of two (JAX's). The scale is that of our own draws' rate (Keras's dropout would be
+    # 7e-6 off under torch and TensorFlow).
     x = np.ones((65, 63, 33), "float32")
     y = to_np(Dropout(0.1, seed=2)(x, training=True))
     p = effective_rate(0.1)
@@ -154,6 +159,7 @@ def test_odd_sizes():
     np.testing.assert_allclose(y[y != 0], 1 / (1 - p), rtol=1e-6)
 
 
+@cpu_draws
 def test_gradient_is_the_mask_times_the_scale():
     layer = Dropout(0.3, seed=5)
     x = keras.ops.convert_to_tensor(np.random.default_rng(0).random((8, 16, 32), "float32"))
@@ -182,6 +188,7 @@ def test_gradient_is_the_mask_times_the_scale():
     np.testing.assert_allclose(grad, np.where(y != 0, 1 / (1 - p), 0.0), rtol=1e-6)
 
 
+@cpu_draws
 @pytest.mark.parametrize("floatx", ["float16", "bfloat16"])
 def test_random_bits_do_not_depend_on_floatx(floatx):
     keras.config.set_floatx(floatx)
@@ -192,16 +199,17 @@ def test_random_bits_do_not_depend_on_floatx(floatx):
         keras.config.set_floatx("float32")
     dropped = y == 0
     p = effective_rate(0.1)
-    group = 4 if BACKEND == "torch" else 2  # the numbers of one draw (see above)
+    group = 4 if SPLIT else 2  # the numbers of one draw (see above)
     for field in range(group):
         assert abs(dropped[..., field::group].mean() - p) < 0.01
 
 
 def test_rates_that_rounding_would_move_use_keras_dropout():
     x = np.ones((64, 64, 256), "float32")
-    # torch: 0.0001 would become 7 / 2**16 (+7%), 0.99999 would become 1 (no kept element),
-    # so Keras's dropout applies the rate itself; its scale tells them apart (the rounded
-    # rate's is 7e-6 off at 0.0001). JAX rounds to 2**-32, which moves neither rate by 1%.
+    # torch and TensorFlow: 0.0001 would become 7 / 2**16 (+7%), 0.99999 would become 1 (no
+    # kept element), so Keras's dropout applies the rate itself; its scale tells them apart
+    # (the rounded rate's is 7e-6 off at 0.0001). JAX rounds to 2**-32, which moves neither
+    # rate by 1%.
     for rate in (0.0001, 0.99999):
         y = to_np(Dropout(rate, seed=6)(x, training=True))
         np.testing.assert_allclose((y == 0).mean(), rate, atol=0.003)
@@ -241,3 +249,26 @@ def test_torch_takes_keras_dropout_off_cpu_and_under_compile():
     np.testing.assert_allclose((y == 0).mean(), 0.1, atol=0.005)
     # Keras's rate, not the split draws' 6554/2**16: the scale tells them apart (7e-6).
     np.testing.assert_allclose(y[y != 0], 1 / 0.9, rtol=1e-6)
+
+
+@cpu_draws
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="TensorFlow's graphs: unknown dimensions "
+                    "and XLA (torch's eager tensors are always concrete; JAX: static shapes)")
+def test_tensorflow_graphs_with_unknown_shapes_and_under_xla():
+    """In a `tf.function` whose batch and length are unknown when traced (as Keras's `fit`
+    traces a dataset's batches), and compiled by XLA (`jit_compile=True`), the split draws run:
+    their rate's scale (Keras's dropout would be 7e-6 off); traced, the same mask as eagerly."""
+    import tensorflow as tf
+
+    p = effective_rate(0.1)
+    x = np.ones((63, 31, 131), "float32")  # not a multiple of four
+    layer = Dropout(0.1, seed=8)
+    traced = tf.function(lambda v: layer(v, training=True),
+                         input_signature=[tf.TensorSpec([None, None, 131], tf.float32)])
+    y = to_np(traced(x))
+    np.testing.assert_array_equal(y != 0, to_np(Dropout(0.1, seed=8)(x, training=True)) != 0)
+    compiled = tf.function(lambda v: layer(v, training=True), jit_compile=True)
+    for y in (y, to_np(compiled(x))):
+        assert y.shape == x.shape
+        np.testing.assert_allclose((y == 0).mean(), p, atol=0.005)
+        np.testing.assert_allclose(y[y != 0], 1 / (1 - p), rtol=1e-6)
