@@ -78,3 +78,13 @@ def test_the_first_call_after_every_build_is_not_timed(monkeypatch):
     medians, samples = tt.time_interleaved({"a": runner("a"), "b": runner("b")}, cfg)
     assert calls == {"a": [0, 0, 1, 2], "b": [0, 0, 1, 2]}
     assert samples == {"a": [0.5] * 3, "b": [0.5] * 3} and medians == {"a": 0.5, "b": 0.5}
+
+
+def test_the_per_round_ratio_pairs_each_round():
+    """Round r: the faster peer's time over keras_tfm's, then the median; by hand. A slow spell
+    in round 3 slows every model of it (and the ratio of the medians says 0.90x)."""
+    times = {"keras_tfm": [1.0, 2.0, 3.0], "keras_hub": [1.5, 1.8, 6.0],
+             "keras_mha": [1.2, 3.0, 3.3], "torch_native": [0.1, 0.1, 0.1]}
+    assert np.isclose(tt.paired_ratio(times), 1.1)  # median of 1.2, 0.9 and 1.1
+    assert np.isclose(tt.paired_ratio(times, peers=("keras_hub",)), 1.5)  # 1.5, 0.9, 2.0
+    assert tt.paired_ratio({"keras_tfm": [1.0]}) is None
