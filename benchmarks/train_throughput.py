@@ -29,7 +29,8 @@ of every model, repeat 2 of every model, ...) so that the machine's slow spells 
 alike. Reported: training tokens per second, counting source + target positions of the padded
 batches (B x (S + T) per step), median over the repeats; the ratio of keras_tfm to each peer
 (of the medians), and to the faster Keras peer also per round (the median over the rounds of
-that round's faster peer's time over keras_tfm's: steadier where the machine drifts); the model's matmul FLOPs per step (forward x 3) and the FLOP/s they reach, as a fraction of this
+that round's faster peer's time over keras_tfm's: steadier where the machine drifts); the
+model's matmul FLOPs per step (forward x 3) and the FLOP/s they reach, as a fraction of this
 backend's fp32 matmul peak measured in the same run; and the matmul bound: the time each of the
 model's matmul shapes takes on this backend (measured here, forward shapes, x 3), summed.
 """
@@ -201,6 +202,7 @@ def build_keras_mha(cfg):
 
 KERAS_MODELS = {"keras_tfm": build_keras_tfm, "keras_hub": build_keras_hub,
                 "keras_mha": build_keras_mha}
+KERAS_PEERS = ("keras_hub", "keras_mha")  # keras_tfm ÷ the faster of these is the bar
 
 
 def unautotuned_dataset(x, y, batch_size):
@@ -323,11 +325,12 @@ def time_interleaved(runners, cfg):
     return {name: statistics.median(t) for name, t in times.items()}, times
 
 
-def paired_ratio(times, ours="keras_tfm", peers=("keras_hub", "keras_mha")):
+def paired_ratio(times, ours="keras_tfm", peers=None):
     """Median over the timed rounds of (that round's faster peer's time ÷ ours), from the
     per-round times `time_interleaved` returns: a slow spell over one round moves every model
-    of it alike, so it cancels here but not in the ratio of the medians. None without peers."""
-    peers = [name for name in peers if name in times]
+    of it alike, so it cancels here but not in the ratio of the medians. `peers`: default the
+    Keras peers. None without peers."""
+    peers = [name for name in peers or KERAS_PEERS if name in times]
     if ours not in times or not peers:
         return None
     return statistics.median(min(times[name][r] for name in peers) / t
@@ -434,7 +437,7 @@ def run(backend, config, models=None, dropout=DROPOUT):
             r["keras_tfm_speedup"] = ours["tokens_per_s"] / r["tokens_per_s"]
             if name != "keras_tfm":
                 print(f"keras_tfm / {name}: {r['keras_tfm_speedup']:.2f}x")
-        peers = [results["models"][n]["tokens_per_s"] for n in ("keras_hub", "keras_mha")
+        peers = [results["models"][n]["tokens_per_s"] for n in KERAS_PEERS
                  if n in results["models"]]
         if peers:
             results["vs_faster_keras_peer"] = ours["tokens_per_s"] / max(peers)
@@ -478,7 +481,8 @@ def report(output_dir):
                  for n in names]
         ratios = [f"{r['models'][n]['keras_tfm_speedup']:.2f}×" if n in r["models"] else "–"
                   for n in peers]
-        per_round = paired_ratio({n: m["calls_step_s"] for n, m in r["models"].items()})
+        per_round = paired_ratio({n: m["calls_step_s"] for n, m in r["models"].items()
+                                  if "calls_step_s" in m})  # (not in the oldest files)
         lines.append(f"| {config} | {backend} | " + " | ".join(cells) + " | "
                      + " | ".join(ratios) + f" | {r['vs_faster_keras_peer']:.2f}× | "
                      + ("–" if per_round is None else f"{per_round:.2f}×") + " |")

@@ -18,14 +18,15 @@ Two ways to draw less, each where it measured faster than Keras's dropout (bench
   The rate is rounded up to a multiple of 2⁻¹⁶ (0.1 → 0.100006). (Keras's dropout calls
   torch's native one there, whose CPU `bernoulli_` took ~6 ns an element; these draws ~1 ns,
   four elements to a 64-bit integer of torch's generator. Under TensorFlow Keras's dropout
-  draws a float32 uniform number per element; these draws took 27-41% less time than it,
-  forward and backward, and 2-5% less a training step.) On CUDA torch's native dropout is
-  one fused kernel and faster than these separate kernel launches (measured for an earlier
-  form of these draws), and under `torch.compile` Keras's seeded random numbers break the
-  graph: both take Keras's dropout (see `_split_draws_suit`), which is torch's native one for
-  an unseeded layer (as keras_tfm builds them; with a `seed` Keras draws through a
-  `torch.Generator`, which still breaks a compiled graph). Under TensorFlow with a GPU or TPU
-  present the layer takes Keras's dropout too (these draws were not measured there).
+  draws a uniform number per element, in the input's dtype; for float32 these draws took
+  26-41% less time than it, forward and backward, and 2-5% less a training step.) On CUDA
+  torch's native dropout is one fused kernel and faster than these separate kernel launches
+  (measured for an earlier form of these draws), and under `torch.compile` Keras's seeded
+  random numbers break the graph: both take Keras's dropout (see `_split_draws_suit`), which
+  is torch's native one for an unseeded layer (as keras_tfm builds them; with a `seed` Keras
+  draws through a `torch.Generator`, which still breaks a compiled graph). Under TensorFlow
+  with a GPU or TPU present the layer takes Keras's dropout too (these draws were not
+  measured there). A seeded layer's masks therefore differ between those machines.
 
 Either way the kept elements are scaled by 1 / (1 − the applied rate): the expectation is
 unchanged, as with `keras.layers.Dropout`.

@@ -8,22 +8,22 @@ import numpy as np
 import pytest
 
 from helpers import BACKEND, to_np
-from keras_tfm.dropout import Dropout, effective_rate, threefry2x32
+from keras_tfm.dropout import Dropout, _split_draws_suit, effective_rate, threefry2x32
 
 ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
 SPLIT = BACKEND in ("torch", "tensorflow")  # four 16-bit fields per 64-bit draw (on the CPU)
 # Under TensorFlow with a GPU or TPU present the layer takes Keras's dropout instead; the
 # tests that pin the split draws' rate and bits are for the CPU machines that run the suite.
-cpu_draws = pytest.mark.skipif(
-    BACKEND == "tensorflow" and any(not d.startswith("cpu")
-                                    for d in keras.distribution.list_devices()),
-    reason="TensorFlow sees an accelerator: Keras's dropout, not the split draws")
+# (TensorFlow's rule is per process, so it needs no tensor; its other side is tested below.)
+cpu_draws = pytest.mark.skipif(BACKEND == "tensorflow" and not _split_draws_suit(None),
+                               reason="TensorFlow sees an accelerator: Keras's dropout")
 
 
 @pytest.fixture(autouse=True)
 def _torch_tensors_on_cpu():
-    """Under torch the split draws are the CPU path (CUDA tensors take Keras's dropout, the
-    last test): on a GPU machine these tests still check them, on CPU tensors."""
+    """Under torch the split draws are the CPU path (CUDA tensors take Keras's dropout,
+    `test_torch_takes_keras_dropout_off_cpu_and_under_compile`): on a GPU machine these tests
+    still check them, on CPU tensors."""
     if BACKEND != "torch":
         yield
         return
@@ -263,12 +263,27 @@ def test_tensorflow_graphs_with_unknown_shapes_and_under_xla():
     p = effective_rate(0.1)
     x = np.ones((63, 31, 131), "float32")  # not a multiple of four
     layer = Dropout(0.1, seed=8)
-    traced = tf.function(lambda v: layer(v, training=True),
-                         input_signature=[tf.TensorSpec([None, None, 131], tf.float32)])
+    unknown = [tf.TensorSpec([None, None, 131], tf.float32)]
+    traced = tf.function(lambda v: layer(v, training=True), input_signature=unknown)
+    compiled = tf.function(lambda v: layer(v, training=True), input_signature=unknown,
+                           jit_compile=True)
+    for function in (traced, compiled):
+        assert function.get_concrete_function().structured_outputs.shape.as_list() == [
+            None, None, 131]
     y = to_np(traced(x))
     np.testing.assert_array_equal(y != 0, to_np(Dropout(0.1, seed=8)(x, training=True)) != 0)
-    compiled = tf.function(lambda v: layer(v, training=True), jit_compile=True)
     for y in (y, to_np(compiled(x))):
-        assert y.shape == x.shape
         np.testing.assert_allclose((y == 0).mean(), p, atol=0.005)
         np.testing.assert_allclose(y[y != 0], 1 / (1 - p), rtol=1e-6)
+
+
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="TensorFlow's device rule")
+def test_tensorflow_with_an_accelerator_takes_keras_dropout(monkeypatch):
+    """Where TensorFlow sees a GPU or TPU (stood in for by a device list that names one), the
+    layer applies Keras's dropout at the rate itself: its scale is 1 / 0.9, not the split
+    draws' 1 / (1 - 6554 / 2**16) (7e-6 apart)."""
+    monkeypatch.setattr(keras.distribution, "list_devices", lambda *_: ["gpu:0", "cpu:0"])
+    assert not _split_draws_suit(None)
+    y = to_np(Dropout(0.1, seed=9)(np.ones((64, 64, 256), "float32"), training=True))
+    np.testing.assert_allclose((y == 0).mean(), 0.1, atol=0.005)
+    np.testing.assert_allclose(y[y != 0], 1 / 0.9, rtol=1e-6)
