@@ -42,10 +42,10 @@ def data(equal_lengths=False):
     return [src, dec_in], tgt
 
 
-def model(**kwargs):
+def model(dropout=0.0, **kwargs):
     keras.utils.set_random_seed(7)  # the same initial weights in every run
     m = keras_tfm.build_transformer(20, 20, d_model=16, num_heads=2, ff_dim=32,
-                                    num_encoder_layers=1, num_decoder_layers=1, dropout=0.0,
+                                    num_encoder_layers=1, num_decoder_layers=1, dropout=dropout,
                                     **kwargs)
     m.compile(optimizer=keras.optimizers.Adam(1e-2),
               loss=keras_tfm.MaskedSparseCategoricalCrossentropy())
@@ -145,7 +145,18 @@ def tensorflow_checks(output_dir):
     x_ragged, y_ragged = data()
     ragged_losses = fit(mirrored, x_ragged, y_ragged)  # unequal tokens per replica: it runs
     tf_batch_error = error_of(lambda: mirrored.fit(x, y, batch_size=5, epochs=1, verbose=0))
+    # Dropout on: keras_tfm's split draws inside each replica (on its own CPU device).
+    with strategy.scope():
+        dropping = model(dropout=0.1)
+        layer = keras_tfm.Dropout(0.1)
+    dropout_losses = fit(dropping, x, y)
+    ones = tf.ones((64, 64, 256))
+    per_replica = strategy.experimental_local_results(
+        tf.function(lambda: strategy.run(lambda: layer(ones, training=True)))())
     return {
+        "dropout_losses": dropout_losses,
+        "replica_drop_fractions": [float(np.mean(r.numpy() == 0)) for r in per_replica],
+        "replica_scales": [np.unique(r.numpy()[r.numpy() != 0]).tolist() for r in per_replica],
         "replicas": replicas,
         "single_losses": single_losses, "mirrored_losses": mirrored_losses,
         "output_gap": output_gap,

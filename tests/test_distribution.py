@@ -14,6 +14,7 @@ import pytest
 
 import keras_tfm
 from keras_tfm.distribution import check_batch_size, get_layout_map, num_replicas
+from keras_tfm.dropout import effective_rate
 
 from helpers import BACKEND
 
@@ -185,6 +186,15 @@ def test_backend_engine_trains_on_two_devices(tmp_path):
         assert r["ragged_losses"][-1] < r["ragged_losses"][0]
         assert r["batch_error"].startswith("ValueError: batch_size=5 does not split across 2")
         assert r["tf_batch_error"].startswith("InvalidArgumentError")
+        # With dropout: it trains, and each replica's Dropout runs the split draws (their
+        # rate, and their scale, 7e-6 from Keras's dropout's).
+        assert np.isfinite(r["dropout_losses"]).all()
+        assert r["dropout_losses"][-1] < r["dropout_losses"][0]
+        p = effective_rate(0.1)
+        assert len(r["replica_drop_fractions"]) == 2
+        for fraction, scales in zip(r["replica_drop_fractions"], r["replica_scales"]):
+            assert abs(fraction - p) < 0.005
+            np.testing.assert_allclose(scales, [1 / (1 - p)], rtol=1e-6)
     else:
         assert r["ddp_flags"] == [True, True] and r["num_weights"] == 46
         np.testing.assert_allclose(r["ddp_losses"], r["single_losses"], rtol=0, atol=1e-5)
