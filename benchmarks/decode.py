@@ -57,7 +57,7 @@ def run_backend():
     results = []
     for new_tokens in NEW_TOKENS:
         def cached():
-            return keras_tfm.generate(model, source, start_id=1, end_id=0, max_length=new_tokens)
+            return keras_tfm.generate(model, source, start_id=1, end_id=None, max_length=new_tokens)
 
         def recompute():
             target = np.zeros((BATCH, new_tokens), "int32")

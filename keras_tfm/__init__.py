@@ -13,10 +13,11 @@ from keras_tfm.embedding import TokenAndPositionEmbedding
 from keras_tfm.feedforward import FeedForward
 from keras_tfm.generation import Seq2SeqParts, generate
 from keras_tfm.losses import MaskedSparseCategoricalCrossentropy
+from keras_tfm.marian import from_marian, to_marian
 from keras_tfm.metrics import MaskedAccuracy
 from keras_tfm.positional import PositionEmbedding, SinusoidalPositionalEncoding
 from keras_tfm.schedules import TransformerSchedule
-from keras_tfm.seq2seq import build_transformer
+from keras_tfm.seq2seq import Seq2SeqTransformer, build_transformer
 
 __version__ = "0.1.0"
 
@@ -29,6 +30,7 @@ __all__ = [
     "MultiHeadSelfAttention",
     "PositionEmbedding",
     "Seq2SeqParts",
+    "Seq2SeqTransformer",
     "SinusoidalPositionalEncoding",
     "TokenAndPositionEmbedding",
     "TransformerDecoderBlock",
@@ -37,6 +39,7 @@ __all__ = [
     "build_transformer",
     "check_token_ids",
     "distribution",
+    "from_marian",
     "generate",
     "losses",
     "masks",
@@ -44,4 +47,5 @@ __all__ = [
     "saving",
     "scaled_dot_product_attention",
     "schedules",
+    "to_marian",
 ]

@@ -34,12 +34,14 @@ MASK_FILL_VALUE_FLOAT16 = -65504.0
 MASK_FILL_VALUE = -1e9
 
 
-def padding_mask(token_ids, pad_id=0):
+def padding_mask(token_ids, pad_id=0, keep_first=False):
     """Boolean padding mask of token ids: True for real tokens.
 
     Args:
         token_ids: int tensor of shape `(batch, length)`.
         pad_id: the id of the padding token.
+        keep_first: count position 0 as a real token whatever its id: a decoder whose start
+            token is the padding id (MarianMT) still attends to it.
 
     Returns:
         bool tensor of shape `(batch, length)`.
@@ -49,7 +51,10 @@ def padding_mask(token_ids, pad_id=0):
     >>> padding_mask(np.array([[5, 7, 0, 0]]))  # doctest: +SKIP
     [[True, True, False, False]]
     """
-    return ops.not_equal(token_ids, pad_id)
+    mask = ops.not_equal(token_ids, pad_id)
+    if keep_first:
+        mask = ops.concatenate([ops.ones_like(mask[:, :1]), mask[:, 1:]], axis=1)
+    return mask
 
 
 def target_weights(y_true, ignore_class=0, sample_weight=None):
