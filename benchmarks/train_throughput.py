@@ -74,6 +74,10 @@ def make_batches(cfg, seed=0):
     # length + 1 target tokens: decoder inputs are the first `length`, targets the last.
     length += 1
     tgt = padded(rng.integers(length // 2, length + 1, n))
+    from keras_tfm import check_token_ids  # (imports Keras: KERAS_BACKEND is set by now)
+
+    src, tgt = (check_token_ids(ids, vocab, name=name) for ids, name in ((src, "src"),
+                                                                         (tgt, "tgt")))
     return src, tgt[:, :-1], tgt[:, 1:]
 
 
@@ -476,12 +480,14 @@ def matmul_bound(cfg):
 # ---------------------------------------------------------------------------------------------
 
 
-def run(backend, config, models=None, dropout=DROPOUT):
+def run(backend, config, models=None, dropout=DROPOUT, repeats=None):
     os.environ["KERAS_BACKEND"] = backend
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     import keras
 
     cfg = dict(CONFIGS[config], dropout=dropout)
+    if repeats:
+        cfg["repeats"] = repeats
     batches = make_batches(cfg)
     tokens = cfg["batch"] * 2 * cfg["length"]
     results = {"backend": backend, "config": config, "cfg": cfg, "dropout": dropout,
@@ -605,6 +611,7 @@ def main():
     parser.add_argument("--config", choices=sorted(CONFIGS), default="small")
     parser.add_argument("--models", nargs="*", help="a subset of " + ", ".join(
         [*KERAS_MODELS, "torch_native", *EXTRA_MODELS]))
+    parser.add_argument("--repeats", type=int, help="timed rounds (default: the config's)")
     parser.add_argument("--save-torch-model", help=argparse.SUPPRESS)  # save_under_torch
     parser.add_argument("--cfg", help=argparse.SUPPRESS)
     parser.add_argument("--json", help="write the results here")
@@ -637,7 +644,7 @@ def main():
         return
     if not args.backend:
         parser.error("--backend (or --all) is required")
-    results = run(args.backend, args.config, args.models, args.dropout)
+    results = run(args.backend, args.config, args.models, args.dropout, args.repeats)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
