@@ -130,7 +130,7 @@ def torch_train(rank, world_size, args, result_path=None):
         result["exact"] = float(toy_translation.accuracies(predicted, test_target)[1])
         if world_size > 1:
             path = os.path.join(args.output_dir, "ddp.keras")
-            model.save(path)  # the Keras model inside DDP, saved by rank 0 only
+            keras_tfm.saving.save_model(model, path)  # the Keras model inside DDP, rank 0 only
             result["saved"] = path
         if result_path:
             with open(result_path, "w") as f:
@@ -254,8 +254,8 @@ def main(argv=None):
         print(f"\n{kernel.path}: {tuple(kernel.shape)}, sharding "
               f"{kernel.value.sharding.spec}, one shard {tuple(shard.shape)}")
         path = os.path.join(args.output_dir, "model_parallel.keras")
-        model.save(path)
-        reloaded = keras.models.load_model(path)  # no distribution: one device
+        keras_tfm.saving.save_model(model, path)  # atomic: a temporary file, then a rename
+        reloaded = keras_tfm.saving.load_model(path)  # no distribution: one device
         gap = np.abs(np.asarray(reloaded.predict(val[0], verbose=0))
                      - np.asarray(model.predict(val[0], verbose=0))).max()
         print(f"saved {path}; reloaded without a distribution, max logit difference {gap:.1e}")
