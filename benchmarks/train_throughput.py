@@ -8,33 +8,12 @@ torch.nn.Transformer, on the same random padded batches, in one process per back
     python benchmarks/train_throughput.py --backend jax --models keras_tfm keras_tfm_unchecked \
         keras_tfm_reloaded   # the cost of the token-id checks; a file saved under torch
 
-The same encoder-decoder transformer (post-LN, ReLU feed-forward, scaled embeddings plus
-sinusoidal positions, 2 + 2 layers, dropout 0.1 where keras_hub puts it: on the embeddings, the
-attention weights and each sublayer's output) is built four ways:
-
-* keras_tfm: `keras_tfm.build_transformer(..., dropout=0.1, activation_dropout=0)` (no
-  dropout inside the feed-forward network, which keras_hub does not have);
-* keras_hub: `keras_hub.layers.TransformerEncoder` / `TransformerDecoder` +
-  `keras.layers.Embedding` + `keras_hub.layers.SinePositionEncoding`;
-* Keras MHA: `keras.layers.MultiHeadAttention` + `LayerNormalization` + `Dense`, composed as a
-  user would (padding masks as `query_mask` / `value_mask`, `use_causal_mask=True`);
-* torch.nn (under torch only): `torch.nn.Transformer(batch_first=True)` + `nn.Embedding` + the
-  same positions, `CrossEntropyLoss(ignore_index=0)` and a plain Adam loop (its layers also
-  drop out inside the feed-forward network; torch cannot turn that off alone).
-
-The Keras models train with `model.fit` (Adam, keras_tfm's masked loss, `compile()` defaults,
-so `jit_compile="auto"`: XLA under JAX; under TensorFlow Keras turns XLA off on a machine with
-no GPU, so a tf.function graph; eager under torch), given NumPy arrays, except under TensorFlow:
-there a `tf.data.Dataset` of the same batches with tf.data's autotuning off (see
-`unautotuned_dataset`). All models are built and warmed up first, then timed in turns (repeat 1
-of every model, repeat 2 of every model, ...) so that the machine's slow spells fall on all
-alike. Reported: training tokens per second, counting source + target positions of the padded
-batches (B x (S + T) per step), median over the repeats; the ratio of keras_tfm to each peer
-(of the medians), and to the faster Keras peer also per round (the median over the rounds of
-that round's faster peer's time over keras_tfm's: steadier where the machine drifts); the
-model's matmul FLOPs per step (forward x 3) and the FLOP/s they reach, as a fraction of this
-backend's fp32 matmul peak measured in the same run; and the matmul bound: the time each of the
-model's matmul shapes takes on this backend (measured here, forward shapes, x 3), summed.
+The same post-LN encoder-decoder (dropout 0.1 where keras_hub puts it) built as
+`keras_tfm.build_transformer`, from keras_hub's `TransformerEncoder` / `TransformerDecoder`,
+from `keras.layers.MultiHeadAttention`, and (under torch) as `torch.nn.Transformer` with a plain
+Adam loop. Reported: training tokens/s (median over repeats timed in turns), keras_tfm's ratio
+to each peer and to the faster Keras peer (also per round), and the matmul FLOP/s and bound.
+Method and results: benchmarks/README.md.
 """
 
 import argparse
@@ -268,11 +247,9 @@ EXTRA_MODELS = {"keras_tfm_unchecked": build_keras_tfm, "keras_tfm_reloaded":
 def unautotuned_dataset(x, y, batch_size):
     """The same batches as a `tf.data.Dataset` with tf.data's autotuning off.
 
-    Given NumPy arrays, Keras's TensorFlow trainer builds an autotuned tf.data pipeline; on this
-    2-core machine that made each `fit` call run all its steps either at ~140 or at ~218 ms a
-    step (small config), at random from call to call and alike for every model. With
-    autotuning off (plain `Dataset.batch`, or Keras's own map + prefetch) every call ran at
-    ~130-140 ms; with it on, both those pipelines were bimodal again (README)."""
+    Given NumPy arrays, Keras's TensorFlow trainer builds an autotuned tf.data pipeline, whose
+    speed changed at random from one `fit` call to the next on a small CPU machine
+    (benchmarks/README.md)."""
     import tensorflow as tf
 
     options = tf.data.Options()
@@ -386,8 +363,7 @@ def time_interleaved(runners, cfg):
     """Seconds per step of each runner: the repeats go round the runners in turn, so a slow
     spell of the machine falls on all of them alike; median per runner. One untimed round
     first, once every runner is built: under TensorFlow the first call of each model but the
-    last one built ran 2-4x slower than its later calls (all models alike, by build order), and
-    the median of 5 or 7 repeats kept part of that against the models built first."""
+    last one built was slower than its later calls."""
     for run in runners.values():
         run(0)
     times = {name: [] for name in runners}
@@ -551,6 +527,9 @@ def report(output_dir):
             print(f"skipped {path}: dropout {r['dropout']}, not the reported {DROPOUT}")
             continue
         results[(r["config"], r["backend"])] = r
+    if not results:
+        print(f"no train_*_*.json results in {output_dir}")
+        return
     names = ["keras_tfm", "keras_hub", "keras_mha", "torch_native"]
     peers = names[1:]
     lines = ["| config | backend | " + " | ".join(names) + " | "

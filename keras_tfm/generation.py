@@ -42,7 +42,7 @@ class Seq2SeqParts:
     * the output projection: the `Dense` layer named `logits`, else the last `Dense` layer; with
       none, the decoder embedding's transposed matrix (tied embeddings).
 
-    `build_transformer` models and models built by hand as in the README have exactly these.
+    `build_transformer` models and models built by hand as in docs/design.md have exactly these.
     Dropout layers are skipped (decoding is inference). The padding id comes from
     `model.special_ids` (0 for a model without one); a decoder whose start id is its padding id
     keeps its first position as a real token (`keep_first`).
@@ -385,7 +385,7 @@ def generate(model, source_tokens, start_id=AUTO, end_id=AUTO, max_length=None, 
     """Translate source token ids with a key/value-cached greedy or beam search.
 
     Works on models from `build_transformer` and `from_marian`, and on models built by hand from
-    the keras_tfm blocks as in the README (see `Seq2SeqParts` for how the layers are found).
+    the keras_tfm blocks as in docs/design.md (see `Seq2SeqParts` for how the layers are found).
 
     Args:
         model: the encoder-decoder `keras.Model`.

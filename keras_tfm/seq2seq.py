@@ -211,15 +211,30 @@ class Seq2SeqTransformer(keras.Model):
         return cls(**config)
 
 
-def build_transformer(src_vocab_size, tgt_vocab_size, **kwargs):
+def build_transformer(
+    src_vocab_size,
+    tgt_vocab_size,
+    d_model=512,
+    num_heads=8,
+    ff_dim=2048,
+    num_encoder_layers=6,
+    num_decoder_layers=6,
+    dropout=0.1,
+    attention_dropout=None,
+    activation_dropout=None,
+    norm_first=False,
+    max_length=None,
+    positional="sinusoidal",
+    tie_embeddings=False,
+    name="transformer",
+    **kwargs,
+):
     """Build the encoder-decoder transformer: a `Seq2SeqTransformer` (a functional `keras.Model`).
 
-    Takes the arguments of `Seq2SeqTransformer`: `d_model=512, num_heads=8, ff_dim=2048,
-    num_encoder_layers=6, num_decoder_layers=6, dropout=0.1, attention_dropout=None,
-    activation_dropout=None, norm_first=False, max_length=None, positional="sinusoidal",
-    tie_embeddings=False, share_embeddings=False, positional_layout="interleaved",
-    activation="relu", scale_embeddings=True, logits_bias=False, layer_norm_epsilon=1e-5,
-    pad_id=0, start_id=None, end_id=None, name="transformer"`.
+    Takes the arguments of `Seq2SeqTransformer`, the first fifteen also by position (as
+    before the class existed); the rest by keyword: `share_embeddings=False,
+    positional_layout="interleaved", activation="relu", scale_embeddings=True,
+    logits_bias=False, layer_norm_epsilon=1e-5, pad_id=0, start_id=None, end_id=None`.
 
     Returns:
         A `keras.Model` mapping `[encoder_tokens (B, S), decoder_tokens (B, T)]` to logits
@@ -233,4 +248,9 @@ def build_transformer(src_vocab_size, tgt_vocab_size, **kwargs):
     >>> model([np.ones((2, 7)), np.ones((2, 5))]).shape
     (2, 5, 120)
     """
-    return Seq2SeqTransformer(src_vocab_size, tgt_vocab_size, **kwargs)
+    return Seq2SeqTransformer(
+        src_vocab_size, tgt_vocab_size, d_model=d_model, num_heads=num_heads, ff_dim=ff_dim,
+        num_encoder_layers=num_encoder_layers, num_decoder_layers=num_decoder_layers,
+        dropout=dropout, attention_dropout=attention_dropout,
+        activation_dropout=activation_dropout, norm_first=norm_first, max_length=max_length,
+        positional=positional, tie_embeddings=tie_embeddings, name=name, **kwargs)
