@@ -107,7 +107,8 @@ def embed_or_nan(embedding, token_ids, vocab_size):
     ids = ops.cast(token_ids, "int32")
     valid = in_vocabulary(ids, vocab_size)
     vectors = embedding(ops.where(valid, ids, 0))
-    return ops.where(valid[..., None], vectors, ops.cast(float("nan"), vectors.dtype))
+    # + 0 or NaN per token: one broadcast add, which the backward pass goes straight through.
+    return vectors + ops.cast(ops.where(valid, 0.0, float("nan")), vectors.dtype)[..., None]
 
 
 def with_quantized_dtypes(layer, config):
