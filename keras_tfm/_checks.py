@@ -71,8 +71,8 @@ def check_token_ids(token_ids, vocab_size, name="token_ids"):
         raise ValueError(f"`{name}` must be a rectangular (batch, length) array of token ids; "
                          f"rows of different lengths could not be stacked ({error}).") from None
     if ids.ndim != 2:
-        raise ValueError(f"`{name}` must have rank 2 (batch, length); received shape "
-                         f"{ids.shape}.")
+        raise ValueError(f"`{name}` must be token ids of rank 2, shape (batch, length); "
+                         f"received shape {ids.shape}.")
     if ids.dtype == bool or not (np.issubdtype(ids.dtype, np.integer)
                                  or np.issubdtype(ids.dtype, np.floating)):
         raise ValueError(f"`{name}` must hold integer token ids; received dtype {ids.dtype}.")
