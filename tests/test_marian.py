@@ -271,3 +271,13 @@ def test_older_checkpoint_layout_with_position_tables_and_copies(tmp_path):
     save_file(weights, tmp_path / "model.safetensors")
     with pytest.raises(ValueError, match="decoder.embed_positions.weight is not the sinusoidal"):
         keras_tfm.from_marian(str(tmp_path))
+
+
+def test_token_ids_outside_the_checkpoint_vocabulary_are_refused(tmp_path):
+    write_marian(tmp_path)
+    model = keras_tfm.from_marian(str(tmp_path))
+    src = sources(VOCAB - 1)
+    src[1, 2] = VOCAB + 3
+    with pytest.raises(ValueError, match=rf"token id {VOCAB + 3} at \(row, column\) \(1, 2\).*"
+                                         rf"vocab_size={VOCAB}"):
+        keras_tfm.generate(model, src, max_length=4)
