@@ -43,6 +43,8 @@ class TokenAndPositionEmbedding(keras.layers.Layer):
         pad_id: the padding token id (MarianMT pads with its last id).
         scale: multiply the token embedding by √d_model before adding positions.
         reverse_bias: add a learned `(vocab_size,)` bias to the logits of `reverse=True`.
+        freeze_pad: keep the `pad_id` row of the token matrix out of training (no gradient
+            reaches it), as torch's `nn.Embedding(padding_idx=...)` and MarianMT do.
         embeddings_initializer: initializer of the token embedding matrix.
         **kwargs: base `Layer` arguments.
 
@@ -63,7 +65,8 @@ class TokenAndPositionEmbedding(keras.layers.Layer):
 
     def __init__(self, vocab_size, d_model, max_length=None, positional="sinusoidal",
                  mask_zero=True, scale=True, embeddings_initializer="uniform", pad_id=0,
-                 positional_layout="interleaved", reverse_bias=False, **kwargs):
+                 positional_layout="interleaved", reverse_bias=False, freeze_pad=False,
+                 **kwargs):
         super().__init__(**kwargs)
         self.vocab_size = check_positive_int("vocab_size", vocab_size)
         self.d_model = check_positive_int("d_model", d_model)
@@ -85,6 +88,7 @@ class TokenAndPositionEmbedding(keras.layers.Layer):
         self.positional_layout = positional_layout
         self.pad_id = pad_id
         self.reverse_bias = bool(reverse_bias)
+        self.freeze_pad = bool(freeze_pad)
         self.mask_zero = bool(mask_zero)
         self.scale = bool(scale)
         self.embeddings_initializer = keras.initializers.get(embeddings_initializer)
@@ -117,6 +121,9 @@ class TokenAndPositionEmbedding(keras.layers.Layer):
                 logits = logits + ops.cast(self.logits_bias, logits.dtype)
             return logits
         x = embed_or_nan(self.token_embedding, inputs, self.vocab_size)
+        if self.freeze_pad:  # no gradient reaches the padding row (torch's padding_idx)
+            is_pad = ops.equal(inputs, self.pad_id)[..., None]
+            x = ops.where(is_pad, ops.stop_gradient(x), x)
         if self.scale:
             x = x * ops.cast(math.sqrt(self.d_model), x.dtype)
         return self.position(x, start_index=start_index)
@@ -146,6 +153,7 @@ class TokenAndPositionEmbedding(keras.layers.Layer):
             "positional_layout": self.positional_layout,
             "pad_id": self.pad_id,
             "reverse_bias": self.reverse_bias,
+            "freeze_pad": self.freeze_pad,
             "mask_zero": self.mask_zero,
             "scale": self.scale,
             "embeddings_initializer": keras.initializers.serialize(self.embeddings_initializer),

@@ -66,6 +66,8 @@ class Seq2SeqTransformer(keras.Model):
         logits_bias: with `tie_embeddings`, add a learned bias to the tied projection (an
             untied `logits` Dense layer always has one).
         layer_norm_epsilon: epsilon of every layer normalization.
+        freeze_pad_embedding: keep the padding id's embedding row out of training, as torch's
+            `padding_idx` does (MarianMT; `from_marian` sets it).
         dtype: the dtype policy of every layer (a `DTypePolicyMap` rebuilds quantized layers).
         pad_id: the padding id of both vocabularies (masks; pass it to the loss and metric as
             `ignore_class`).
@@ -97,16 +99,17 @@ class Seq2SeqTransformer(keras.Model):
         max_length=None,
         positional="sinusoidal",
         tie_embeddings=False,
+        name="transformer",
         share_embeddings=False,
         positional_layout="interleaved",
         activation="relu",
         scale_embeddings=True,
         logits_bias=False,
         layer_norm_epsilon=1e-5,
+        freeze_pad_embedding=False,
         pad_id=0,
         start_id=None,
         end_id=None,
-        name="transformer",
         dtype=None,
         **kwargs,
     ):
@@ -138,11 +141,12 @@ class Seq2SeqTransformer(keras.Model):
             positional_layout=positional_layout, activation=activation,
             scale_embeddings=scale_embeddings, logits_bias=logits_bias,
             layer_norm_epsilon=layer_norm_epsilon, pad_id=pad_id, start_id=start_id,
-            end_id=end_id,
+            end_id=end_id, freeze_pad_embedding=freeze_pad_embedding,
         )
         embedding_kwargs = dict(d_model=d_model, max_length=max_length, positional=positional,
                                 positional_layout=positional_layout, pad_id=pad_id,
-                                scale=scale_embeddings, dtype=dtype)
+                                scale=scale_embeddings, freeze_pad=freeze_pad_embedding,
+                                dtype=dtype)
         block_kwargs = dict(num_heads=num_heads, ff_dim=ff_dim, dropout=dropout,
                             attention_dropout=attention_dropout,
                             activation_dropout=activation_dropout, activation=activation,
@@ -211,30 +215,16 @@ class Seq2SeqTransformer(keras.Model):
         return cls(**config)
 
 
-def build_transformer(
-    src_vocab_size,
-    tgt_vocab_size,
-    d_model=512,
-    num_heads=8,
-    ff_dim=2048,
-    num_encoder_layers=6,
-    num_decoder_layers=6,
-    dropout=0.1,
-    attention_dropout=None,
-    activation_dropout=None,
-    norm_first=False,
-    max_length=None,
-    positional="sinusoidal",
-    tie_embeddings=False,
-    name="transformer",
-    **kwargs,
-):
+def build_transformer(*args, **kwargs):
     """Build the encoder-decoder transformer: a `Seq2SeqTransformer` (a functional `keras.Model`).
 
-    Takes the arguments of `Seq2SeqTransformer`, the first fifteen also by position (as
-    before the class existed); the rest by keyword: `share_embeddings=False,
-    positional_layout="interleaved", activation="relu", scale_embeddings=True,
-    logits_bias=False, layer_norm_epsilon=1e-5, pad_id=0, start_id=None, end_id=None`.
+    Takes the arguments of `Seq2SeqTransformer`, in its order: `src_vocab_size,
+    tgt_vocab_size, d_model=512, num_heads=8, ff_dim=2048, num_encoder_layers=6,
+    num_decoder_layers=6, dropout=0.1, attention_dropout=None, activation_dropout=None,
+    norm_first=False, max_length=None, positional="sinusoidal", tie_embeddings=False,
+    name="transformer"`, then (by keyword) `share_embeddings`, `positional_layout`,
+    `activation`, `scale_embeddings`, `logits_bias`, `layer_norm_epsilon`,
+    `freeze_pad_embedding`, `pad_id=0`, `start_id=None`, `end_id=None`, `dtype`.
 
     Returns:
         A `keras.Model` mapping `[encoder_tokens (B, S), decoder_tokens (B, T)]` to logits
@@ -248,9 +238,4 @@ def build_transformer(
     >>> model([np.ones((2, 7)), np.ones((2, 5))]).shape
     (2, 5, 120)
     """
-    return Seq2SeqTransformer(
-        src_vocab_size, tgt_vocab_size, d_model=d_model, num_heads=num_heads, ff_dim=ff_dim,
-        num_encoder_layers=num_encoder_layers, num_decoder_layers=num_decoder_layers,
-        dropout=dropout, attention_dropout=attention_dropout,
-        activation_dropout=activation_dropout, norm_first=norm_first, max_length=max_length,
-        positional=positional, tie_embeddings=tie_embeddings, name=name, **kwargs)
+    return Seq2SeqTransformer(*args, **kwargs)
