@@ -13,7 +13,7 @@ from keras_tfm.feedforward import FeedForward
 from keras_tfm.generation import Seq2SeqParts, generate
 from keras_tfm.losses import MaskedSparseCategoricalCrossentropy
 from keras_tfm.metrics import MaskedAccuracy
-from keras_tfm.positional import PositionEmbedding, SinusoidalPositionalEncoding
+from keras_tfm.positional import PositionEmbedding, RotaryEmbedding, SinusoidalPositionalEncoding
 from keras_tfm.schedules import TransformerSchedule
 from keras_tfm.seq2seq import build_transformer
 
@@ -27,6 +27,7 @@ __all__ = [
     "MaskedSparseCategoricalCrossentropy",
     "MultiHeadSelfAttention",
     "PositionEmbedding",
+    "RotaryEmbedding",
     "Seq2SeqParts",
     "SinusoidalPositionalEncoding",
     "TokenAndPositionEmbedding",

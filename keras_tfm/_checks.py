@@ -38,3 +38,18 @@ def check_same_batch(layer, first_name, first_shape, second_name, second_shape):
             f"{layer.name}: `{first_name}` and `{second_name}` must have the same batch size; "
             f"received {tuple(first_shape)} and {tuple(second_shape)}."
         )
+
+
+def check_key_value_heads(num_heads, num_key_value_heads):
+    """`num_key_value_heads` of grouped-query attention: None or a positive divisor of
+    `num_heads`."""
+    if num_key_value_heads is None:
+        return None
+    check_positive_int("num_key_value_heads", num_key_value_heads)
+    if num_heads % num_key_value_heads:
+        raise ValueError(
+            "`num_key_value_heads` must divide `num_heads` (each key/value head serves a group "
+            f"of query heads); received num_heads={num_heads}, "
+            f"num_key_value_heads={num_key_value_heads}."
+        )
+    return num_key_value_heads
