@@ -1,4 +1,4 @@
-"""keras_tfm: Keras 3 layers for the encoder-decoder transformer."""
+"""keras_tfm: Keras 3 layers for the transformer: encoder-decoder, decoder-only and encoder-only."""
 
 from keras_tfm import distribution, losses, masks, metrics, saving, schedules
 from keras_tfm.attention import (
@@ -13,6 +13,7 @@ from keras_tfm.feedforward import FeedForward
 from keras_tfm.generation import Seq2SeqParts, generate
 from keras_tfm.losses import MaskedSparseCategoricalCrossentropy
 from keras_tfm.metrics import MaskedAccuracy
+from keras_tfm.models import EncoderModel, LanguageModel, build_encoder, build_language_model
 from keras_tfm.positional import PositionEmbedding, RotaryEmbedding, SinusoidalPositionalEncoding
 from keras_tfm.schedules import TransformerSchedule
 from keras_tfm.seq2seq import build_transformer
@@ -22,7 +23,9 @@ __version__ = "0.1.0"
 __all__ = [
     "CrossAttention",
     "Dropout",
+    "EncoderModel",
     "FeedForward",
+    "LanguageModel",
     "MaskedAccuracy",
     "MaskedSparseCategoricalCrossentropy",
     "MultiHeadSelfAttention",
@@ -34,6 +37,8 @@ __all__ = [
     "TransformerDecoderBlock",
     "TransformerEncoderBlock",
     "TransformerSchedule",
+    "build_encoder",
+    "build_language_model",
     "build_transformer",
     "distribution",
     "generate",
