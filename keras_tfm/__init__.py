@@ -1,6 +1,7 @@
 """keras_tfm: Keras 3 layers for the transformer: encoder-decoder, decoder-only and encoder-only."""
 
 from keras_tfm import distribution, losses, masks, metrics, saving, schedules
+from keras_tfm._checks import check_token_ids
 from keras_tfm.attention import (
     CrossAttention,
     MultiHeadSelfAttention,
@@ -12,11 +13,12 @@ from keras_tfm.embedding import TokenAndPositionEmbedding
 from keras_tfm.feedforward import FeedForward
 from keras_tfm.generation import Seq2SeqParts, generate
 from keras_tfm.losses import MaskedSparseCategoricalCrossentropy
+from keras_tfm.marian import from_marian, to_marian
 from keras_tfm.metrics import MaskedAccuracy
 from keras_tfm.models import EncoderModel, LanguageModel, build_encoder, build_language_model
 from keras_tfm.positional import PositionEmbedding, RotaryEmbedding, SinusoidalPositionalEncoding
 from keras_tfm.schedules import TransformerSchedule
-from keras_tfm.seq2seq import build_transformer
+from keras_tfm.seq2seq import Seq2SeqTransformer, build_transformer
 
 __version__ = "0.1.0"
 
@@ -32,6 +34,7 @@ __all__ = [
     "PositionEmbedding",
     "RotaryEmbedding",
     "Seq2SeqParts",
+    "Seq2SeqTransformer",
     "SinusoidalPositionalEncoding",
     "TokenAndPositionEmbedding",
     "TransformerDecoderBlock",
@@ -40,7 +43,9 @@ __all__ = [
     "build_encoder",
     "build_language_model",
     "build_transformer",
+    "check_token_ids",
     "distribution",
+    "from_marian",
     "generate",
     "losses",
     "masks",
@@ -48,4 +53,5 @@ __all__ = [
     "saving",
     "scaled_dot_product_attention",
     "schedules",
+    "to_marian",
 ]

@@ -6,8 +6,9 @@ import keras
 from keras import ops
 
 from keras_tfm import masks as masks_lib
-from keras_tfm._checks import check_positive_int
-from keras_tfm.positional import PositionEmbedding, SinusoidalPositionalEncoding
+from keras_tfm._checks import check_positive_int, embed_or_nan, with_quantized_dtypes
+from keras_tfm.positional import (SINUSOIDAL_LAYOUTS, PositionEmbedding,
+                                  SinusoidalPositionalEncoding)
 
 _SERIALIZABLE = keras.saving.register_keras_serializable(package="keras_tfm")
 
@@ -18,12 +19,16 @@ POSITIONAL_KINDS = ("sinusoidal", "learned")
 class TokenAndPositionEmbedding(keras.layers.Layer):
     """Token embedding × √d_model (the paper) plus positional information.
 
-    The padding mask of the model starts here: with `mask_zero=True` token id 0 is padding and
-    the output carries the Keras mask `token_ids != 0`.
+    The padding mask of the model starts here: with `mask_zero=True` the token id `pad_id` (0 by
+    default) is padding and the output carries the Keras mask `token_ids != pad_id`.
+
+    A token id outside `[0, vocab_size)` gives a NaN vector on every backend (so a bad id
+    in `fit` shows as a NaN loss); check ids up front with `keras_tfm.check_token_ids`.
 
     The same layer can also map hidden states back to vocabulary logits with its (transposed)
     token embedding matrix — `call(hidden, reverse=True)` — which is how `build_transformer`
-    ties the target embedding to the output projection.
+    ties the target embedding to the output projection (plus a learned bias with
+    `reverse_bias=True`, MarianMT's `final_logits_bias`).
 
     Args:
         vocab_size: number of token ids.
@@ -31,8 +36,13 @@ class TokenAndPositionEmbedding(keras.layers.Layer):
         max_length: longest sequence; required for `positional="learned"` (the table size),
             ignored by the sinusoidal encoding, which takes any length.
         positional: `"sinusoidal"` (the paper's fixed encoding) or `"learned"`.
-        mask_zero: whether id 0 is padding (and the output carries a Keras mask).
+        positional_layout: channel layout of the sinusoidal encoding, `"interleaved"` (the
+            paper) or `"halves"` (MarianMT); see `SinusoidalPositionalEncoding`.
+        mask_zero: whether `pad_id` marks padding (and the output carries a Keras mask); named
+            after the argument of `keras.layers.Embedding`.
+        pad_id: the padding token id (MarianMT pads with its last id).
         scale: multiply the token embedding by √d_model before adding positions.
+        reverse_bias: add a learned `(vocab_size,)` bias to the logits of `reverse=True`.
         embeddings_initializer: initializer of the token embedding matrix.
         **kwargs: base `Layer` arguments.
 
@@ -52,7 +62,8 @@ class TokenAndPositionEmbedding(keras.layers.Layer):
     """
 
     def __init__(self, vocab_size, d_model, max_length=None, positional="sinusoidal",
-                 mask_zero=True, scale=True, embeddings_initializer="uniform", **kwargs):
+                 mask_zero=True, scale=True, embeddings_initializer="uniform", pad_id=0,
+                 positional_layout="interleaved", reverse_bias=False, **kwargs):
         super().__init__(**kwargs)
         self.vocab_size = check_positive_int("vocab_size", vocab_size)
         self.d_model = check_positive_int("d_model", d_model)
@@ -64,30 +75,48 @@ class TokenAndPositionEmbedding(keras.layers.Layer):
                              "the learned position table); received max_length=None.")
         self.max_length = None if max_length is None else check_positive_int("max_length",
                                                                               max_length)
+        if positional_layout not in SINUSOIDAL_LAYOUTS:
+            raise ValueError(f"`positional_layout` must be one of {SINUSOIDAL_LAYOUTS}; "
+                             f"received positional_layout={positional_layout!r}.")
+        if isinstance(pad_id, bool) or not isinstance(pad_id, int) or not 0 <= pad_id < vocab_size:
+            raise ValueError(f"`pad_id` must be a token id in [0, {vocab_size}); received "
+                             f"pad_id={pad_id!r}.")
         self.positional = positional
+        self.positional_layout = positional_layout
+        self.pad_id = pad_id
+        self.reverse_bias = bool(reverse_bias)
         self.mask_zero = bool(mask_zero)
         self.scale = bool(scale)
         self.embeddings_initializer = keras.initializers.get(embeddings_initializer)
         self.supports_masking = True
 
     def build(self, input_shape):
-        self.token_embedding = keras.layers.Embedding(
-            self.vocab_size, self.d_model, embeddings_initializer=self.embeddings_initializer,
-            dtype=self.dtype_policy, name="token_embedding")
+        # Keras's ReversibleEmbedding: its tied reverse projection quantizes with the table.
+        self.token_embedding = keras.layers.ReversibleEmbedding(
+            self.vocab_size, self.d_model, tie_weights=True,
+            embeddings_initializer=self.embeddings_initializer, dtype=self.dtype_policy,
+            name="token_embedding")
+        self.token_embedding.supports_masking = True  # reverse=True passes masked hidden states
         if self.positional == "learned":
             self.position = PositionEmbedding(self.max_length, dtype=self.dtype_policy,
                                               name="position_embedding")
         else:
-            self.position = SinusoidalPositionalEncoding(dtype=self.dtype_policy,
+            self.position = SinusoidalPositionalEncoding(layout=self.positional_layout,
+                                                         dtype=self.dtype_policy,
                                                          name="position_encoding")
+        if self.reverse_bias:
+            self.logits_bias = self.add_weight(name="logits_bias", shape=(self.vocab_size,),
+                                               initializer="zeros")
         self.token_embedding.build(input_shape[:2])
         self.position.build(tuple(input_shape[:2]) + (self.d_model,))
 
     def call(self, inputs, start_index=0, reverse=False):
         if reverse:
-            kernel = ops.cast(ops.convert_to_tensor(self.token_embedding.embeddings), inputs.dtype)
-            return ops.matmul(inputs, ops.transpose(kernel))
-        x = self.token_embedding(inputs)
+            logits = self.token_embedding(inputs, reverse=True)
+            if self.reverse_bias:
+                logits = logits + ops.cast(self.logits_bias, logits.dtype)
+            return logits
+        x = embed_or_nan(self.token_embedding, inputs, self.vocab_size)
         if self.scale:
             x = x * ops.cast(math.sqrt(self.d_model), x.dtype)
         return self.position(x, start_index=start_index)
@@ -97,7 +126,7 @@ class TokenAndPositionEmbedding(keras.layers.Layer):
             return mask
         if not self.mask_zero:
             return None
-        return masks_lib.padding_mask(inputs, pad_id=0)
+        return masks_lib.padding_mask(inputs, pad_id=self.pad_id)
 
     def compute_output_shape(self, input_shape, start_index=0, reverse=False):
         if reverse:
@@ -109,11 +138,14 @@ class TokenAndPositionEmbedding(keras.layers.Layer):
                                  dtype=self.compute_dtype)
 
     def get_config(self):
-        return super().get_config() | {
+        return with_quantized_dtypes(self, super().get_config()) | {
             "vocab_size": self.vocab_size,
             "d_model": self.d_model,
             "max_length": self.max_length,
             "positional": self.positional,
+            "positional_layout": self.positional_layout,
+            "pad_id": self.pad_id,
+            "reverse_bias": self.reverse_bias,
             "mask_zero": self.mask_zero,
             "scale": self.scale,
             "embeddings_initializer": keras.initializers.serialize(self.embeddings_initializer),

@@ -15,10 +15,13 @@ import numpy as np
 from keras import ops
 
 from keras_tfm import masks as masks_lib
+from keras_tfm._checks import check_token_ids
 from keras_tfm.blocks import TransformerDecoderBlock, TransformerEncoderBlock
 from keras_tfm.embedding import TokenAndPositionEmbedding
 
-PAD_ID = 0
+PAD_ID = 0  # the default padding id, for models that do not name their own
+AUTO = "auto"  # a special id taken from the model (`model.special_ids`)
+_NO_END = -1  # `end_id=None`: an id that never comes, so decoding runs to max_length
 _NEG_INF = -1e9  # finite: -inf - -inf would give NaN in the beam bookkeeping
 
 
@@ -30,7 +33,7 @@ class Seq2SeqParts:
 
     * two `TokenAndPositionEmbedding` layers: the ones named `encoder_embedding` and
       `decoder_embedding` if present, else the first is the encoder's and the second the
-      decoder's;
+      decoder's; or one named `shared_embedding`, used by both;
     * the `TransformerEncoderBlock` and `TransformerDecoderBlock` layers, in the order the model
       calls them;
     * optional final normalizations, which must be named `encoder_norm` and `decoder_norm`
@@ -39,8 +42,10 @@ class Seq2SeqParts:
     * the output projection: the `Dense` layer named `logits`, else the last `Dense` layer; with
       none, the decoder embedding's transposed matrix (tied embeddings).
 
-    `build_transformer` models and models built by hand as in the README have exactly these.
-    Dropout layers are skipped (decoding is inference).
+    `build_transformer` models and models built by hand as in docs/design.md have exactly these.
+    Dropout layers are skipped (decoding is inference). The padding id comes from
+    `model.special_ids` (0 for a model without one); a decoder whose start id is its padding id
+    keeps its first position as a real token (`keep_first`).
     """
 
     encoder_embedding: TokenAndPositionEmbedding
@@ -50,14 +55,18 @@ class Seq2SeqParts:
     decoder_blocks: list
     decoder_norm: object
     output_projection: object
+    pad_id: int = PAD_ID
+    keep_first: bool = False
 
     @classmethod
-    def from_model(cls, model):
+    def from_model(cls, model, pad_id=None):
         layers = list(model.layers)
         by_name = {layer.name: layer for layer in layers}
         embeddings = [layer for layer in layers if isinstance(layer, TokenAndPositionEmbedding)]
         if "encoder_embedding" in by_name and "decoder_embedding" in by_name:
             embeddings = [by_name["encoder_embedding"], by_name["decoder_embedding"]]
+        elif isinstance(by_name.get("shared_embedding"), TokenAndPositionEmbedding):
+            embeddings = [by_name["shared_embedding"]] * 2
         encoder_blocks = [layer for layer in layers if isinstance(layer, TransformerEncoderBlock)]
         decoder_blocks = [layer for layer in layers if isinstance(layer, TransformerDecoderBlock)]
         if len(embeddings) != 2 or not encoder_blocks or not decoder_blocks:
@@ -77,8 +86,11 @@ class Seq2SeqParts:
                 "recognises them only by the names 'encoder_norm' and 'decoder_norm' (as "
                 "build_transformer names them); rename them so decoding matches the model."
             )
+        own = getattr(model, "special_ids", {})
+        pad_id = own.get("pad_id", PAD_ID) if pad_id is None else pad_id
+        keep_first = own.get("start_id", None) == pad_id
         return cls(embeddings[0], encoder_blocks, by_name.get("encoder_norm"), embeddings[1],
-                   decoder_blocks, by_name.get("decoder_norm"), projection)
+                   decoder_blocks, by_name.get("decoder_norm"), projection, pad_id, keep_first)
 
     @property
     def target_vocab_size(self):
@@ -86,7 +98,7 @@ class Seq2SeqParts:
 
     def encode(self, source_tokens):
         """Encoder output `(B, S, d_model)` and the source padding mask `(B, S)`."""
-        mask = masks_lib.padding_mask(source_tokens, PAD_ID)
+        mask = masks_lib.padding_mask(source_tokens, self.pad_id)
         x = self.encoder_embedding(source_tokens)
         for block in self.encoder_blocks:
             x = block(x, mask=mask)
@@ -115,7 +127,8 @@ class Seq2SeqParts:
         """
         encoder_outputs, source_mask = self.encode(source_tokens)
         x = self.decoder_embedding(decoder_tokens)
-        target_mask = masks_lib.padding_mask(decoder_tokens, PAD_ID)
+        target_mask = masks_lib.padding_mask(decoder_tokens, self.pad_id,
+                                             keep_first=self.keep_first)
         weights = []
         for block in self.decoder_blocks:
             x, _, cross = block(x, encoder_outputs, return_attention_scores=True,
@@ -141,20 +154,20 @@ class Seq2SeqParts:
         return ops.cast(logits[:, 0], "float32"), new_caches
 
 
-def _log_probs(logits):
+def _log_probs(logits, pad_id):
     """Log-probabilities with the padding token excluded (it is never generated)."""
     vocab = ops.shape(logits)[-1]
-    is_pad = ops.equal(ops.arange(vocab), PAD_ID)
+    is_pad = ops.equal(ops.arange(vocab), pad_id)
     return ops.log_softmax(ops.where(is_pad, _NEG_INF, logits), axis=-1)
 
 
-def _greedy_search(parts, source, start_id, end_id, max_length):
+def _greedy_search(parts, source, start_id, end_id, max_length, pad_id=PAD_ID):
     batch = ops.shape(source)[0]
     encoder_outputs, source_mask = parts.encode(source)
     cross = parts.cross_attention_caches(encoder_outputs)
     caches = parts.empty_self_attention_caches(batch, max_length)
     tokens = ops.concatenate([ops.full((batch, 1), start_id, "int32"),
-                              ops.zeros((batch, max_length), "int32")], axis=1)
+                              ops.full((batch, max_length), pad_id, "int32")], axis=1)
     finished = ops.zeros((batch,), "bool")
     scores = ops.zeros((batch,), "float32")
 
@@ -164,11 +177,11 @@ def _greedy_search(parts, source, start_id, end_id, max_length):
     def body(i, tokens, caches, finished, scores):
         current = ops.slice(tokens, (0, i), (batch, 1))
         logits, caches = parts.decode_step(current, i, caches, cross, source_mask)
-        log_probs = _log_probs(logits)
+        log_probs = _log_probs(logits, pad_id)
         chosen = ops.cast(ops.argmax(log_probs, axis=-1), "int32")
         chosen_log_prob = ops.take_along_axis(log_probs, chosen[:, None], axis=-1)[:, 0]
         scores = scores + ops.where(finished, 0.0, chosen_log_prob)
-        chosen = ops.where(finished, PAD_ID, chosen)
+        chosen = ops.where(finished, pad_id, chosen)
         finished = ops.logical_or(finished, ops.equal(chosen, end_id))
         tokens = ops.slice_update(tokens, (0, i + 1), chosen[:, None])
         return i + 1, tokens, caches, finished, scores
@@ -189,7 +202,7 @@ def _gather_beams(values, indices):
     return ops.take_along_axis(values, expanded, axis=1)
 
 
-def _beam_search(parts, source, start_id, end_id, max_length, beam_size, alpha):
+def _beam_search(parts, source, start_id, end_id, max_length, beam_size, alpha, pad_id=PAD_ID):
     batch, k = ops.shape(source)[0], beam_size
     length = max_length + 1
     encoder_outputs, source_mask = parts.encode(source)
@@ -200,11 +213,11 @@ def _beam_search(parts, source, start_id, end_id, max_length, beam_size, alpha):
     caches = parts.empty_self_attention_caches(batch * k, max_length)
 
     alive_seq = ops.concatenate([ops.full((batch, k, 1), start_id, "int32"),
-                                 ops.zeros((batch, k, max_length), "int32")], axis=2)
+                                 ops.full((batch, k, max_length), pad_id, "int32")], axis=2)
     # Only the first beam is alive at the start, so the first step expands one hypothesis.
     first = ops.concatenate([ops.zeros((1,)), ops.full((k - 1,), _NEG_INF)], axis=0)
     alive_log_probs = ops.tile(ops.cast(first, "float32")[None], (batch, 1))
-    finished_seq = ops.zeros((batch, k, length), "int32")
+    finished_seq = ops.full((batch, k, length), pad_id, "int32")
     finished_scores = ops.full((batch, k), _NEG_INF, "float32")
     finished_log_probs = ops.full((batch, k), _NEG_INF, "float32")
     finished_flags = ops.zeros((batch, k), "bool")
@@ -226,7 +239,7 @@ def _beam_search(parts, source, start_id, end_id, max_length, beam_size, alpha):
         current = ops.reshape(ops.slice(alive_seq, (0, 0, i), (batch, k, 1)), (batch * k, 1))
         logits, caches = parts.decode_step(current, i, caches, cross, source_mask)
         vocab = ops.shape(logits)[-1]
-        log_probs = ops.reshape(_log_probs(logits), (batch, k, vocab))
+        log_probs = ops.reshape(_log_probs(logits, pad_id), (batch, k, vocab))
         candidates = ops.reshape(alive_log_probs[:, :, None] + log_probs, (batch, k * vocab))
         # 2k candidates: even if k of them end here, k stay alive.
         top_log_probs, top_index = ops.top_k(candidates, 2 * k)
@@ -306,19 +319,84 @@ def _compile(model, search):
     return search
 
 
-def generate(model, source_tokens, start_id, end_id, max_length, method="greedy", beam_size=4,
-             length_penalty=0.6, return_scores=False, batch_size=None, verbose=False):
+def _resolve_special_ids(model, vocab, start_id, end_id, pad_id):
+    """The start, end and padding ids of one `generate` call: explicit arguments win; "auto"
+    takes the model's own (`model.special_ids`; padding defaults to 0)."""
+    own = getattr(model, "special_ids", {})
+    if pad_id == AUTO:
+        pad_id = own.get("pad_id", PAD_ID)
+    for name, value, hint in (("start_id", start_id, "start_id=..."),
+                              ("end_id", end_id, "end_id=..., or end_id=None to decode "
+                                                 "max_length tokens")):
+        if value == AUTO and name not in own:
+            raise ValueError(f"`{name}` was not given and model {model.name!r} has no {name} of "
+                             f"its own (model.special_ids={own}); pass {hint}.")
+    start_id = own["start_id"] if start_id == AUTO else start_id
+    end_id = own["end_id"] if end_id == AUTO else end_id
+    checks = [("start_id", start_id), ("pad_id", pad_id)]
+    if end_id is not None:
+        checks.append(("end_id", end_id))
+    for name, value in checks:
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not (
+                0 <= value < vocab):
+            raise ValueError(f"`{name}` must be a token id in [0, {vocab}) (the target "
+                             f"vocabulary); received {name}={value!r}.")
+    if end_id is not None and end_id == pad_id:
+        raise ValueError(f"`end_id` must not be the padding id {pad_id} (padding is never "
+                         f"generated); received end_id={end_id!r}. Pass end_id=None to decode "
+                         "exactly max_length tokens.")
+    if start_id == pad_id and own.get("start_id") != pad_id:
+        raise ValueError(f"`start_id` must not be the padding id {pad_id}, which model "
+                         f"{model.name!r} masks; received start_id={start_id!r}. (A model built "
+                         "with start_id == pad_id, as from_marian does, attends to it.)")
+    return int(start_id), None if end_id is None else int(end_id), int(pad_id)
+
+
+def _source_array(source_tokens, vocab, pad_id):
+    """The sources as int32 `(B, S)`, checked: Python lists of different lengths are
+    right-padded with `pad_id`; ids must lie in the source vocabulary; a source with padding
+    before a real token (left padding) is refused."""
+    if isinstance(source_tokens, (list, tuple)) and all(
+            isinstance(row, (list, tuple, np.ndarray)) for row in source_tokens):
+        rows = [np.asarray(row).reshape(-1) for row in source_tokens]
+        width = max((len(row) for row in rows), default=0)
+        if any(len(row) != width for row in rows):
+            source_tokens = np.full((len(rows), width), pad_id, np.result_type(*rows))
+            for i, row in enumerate(rows):
+                source_tokens[i, :len(row)] = row
+    source_tokens = check_token_ids(source_tokens, vocab, name="source_tokens")
+    if source_tokens.shape[0] == 0:
+        raise ValueError("`source_tokens` must hold at least one source; received shape "
+                         f"{source_tokens.shape}.")
+    is_pad = source_tokens == pad_id
+    padding_first = is_pad[:, :-1] & ~is_pad[:, 1:]
+    if padding_first.any():
+        row = int(np.flatnonzero(padding_first.any(axis=1))[0])
+        raise ValueError(
+            f"`source_tokens` row {row} has padding (id {pad_id}) before a real token: "
+            f"{source_tokens[row].tolist()}. keras_tfm sources are right-padded (the padding at "
+            "the end); with keras.utils.pad_sequences pass padding='post'.")
+    return source_tokens
+
+
+def generate(model, source_tokens, start_id=AUTO, end_id=AUTO, max_length=None, method="greedy",
+             beam_size=4, length_penalty=0.6, return_scores=False, batch_size=None,
+             verbose=False, pad_id=AUTO):
     """Translate source token ids with a key/value-cached greedy or beam search.
 
-    Works on models from `build_transformer` and on models built by hand from the keras_tfm
-    blocks as in the README (see `Seq2SeqParts` for how the layers are found).
+    Works on models from `build_transformer` and `from_marian`, and on models built by hand from
+    the keras_tfm blocks as in docs/design.md (see `Seq2SeqParts` for how the layers are found).
 
     Args:
         model: the encoder-decoder `keras.Model`.
-        source_tokens: int `(B, S)`, 0 = padding; sources of different lengths are padded.
-        start_id: the `<SOS>` id fed first to the decoder (not the padding id 0).
-        end_id: the `<EOS>` id; a sequence stops once it produced it. The padding id 0 is
-            never generated, so `end_id=0` decodes exactly `max_length` tokens (benchmarks).
+        source_tokens: int `(B, S)`, right-padded with the padding id; a list of sequences of
+            different lengths is right-padded for you. Checked before anything runs: ids in
+            the source vocabulary (`check_token_ids`), no padding before a real token.
+        start_id: the `<SOS>` id fed first to the decoder; "auto" takes the model's own
+            (`model.special_ids`).
+        end_id: the `<EOS>` id; a sequence stops once it produced it. "auto" takes the model's
+            own; None never stops (exactly `max_length` tokens, as benchmarks need). It must
+            differ from the padding id.
         max_length: at most this many new tokens (`<EOS>` included); with learned positions,
             at most the decoder's `max_length`.
         method: `"greedy"` or `"beam"`.
@@ -330,10 +408,13 @@ def generate(model, source_tokens, start_id, end_id, max_length, method="greedy"
             log-probabilities, `<EOS>` included; not length-penalised).
         batch_size: decode the sources in chunks of this size (None: all at once).
         verbose: show a progress bar over the chunks.
+        pad_id: the padding id of the sources and of the output; never generated. "auto" takes
+            the model's own (0 for a model without one).
 
     Returns:
-        NumPy int32 tokens `(B, L)` with `L ≤ max_length` (the longest sequence; after `<EOS>`
-        the tokens are padding, 0), and with `return_scores` the float32 log-probabilities `(B,)`.
+        NumPy int32 tokens `(B, L)` with `L ≤ max_length` (the longest sequence; no `<SOS>`,
+        `<EOS>` kept, padding after it), and with `return_scores` the float32
+        log-probabilities `(B,)`.
 
     Example:
 
@@ -341,14 +422,9 @@ def generate(model, source_tokens, start_id, end_id, max_length, method="greedy"
     """
     parts = Seq2SeqParts.from_model(model)
     vocab = parts.target_vocab_size
-    for name, value in (("start_id", start_id), ("end_id", end_id)):
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not (
-                0 <= value < vocab):
-            raise ValueError(f"`{name}` must be a token id in [0, {vocab}) (the target "
-                             f"vocabulary); received {name}={value!r}.")
-    if start_id == PAD_ID:
-        raise ValueError(f"`start_id` must not be the padding id {PAD_ID}; received "
-                         f"start_id={start_id!r}.")
+    start_id, end_id, pad_id = _resolve_special_ids(model, vocab, start_id, end_id, pad_id)
+    if pad_id != parts.pad_id:
+        parts = dataclasses.replace(parts, pad_id=pad_id)
     if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1:
         raise ValueError(f"`max_length` must be a positive integer; received {max_length!r}.")
     embedding = parts.decoder_embedding
@@ -372,24 +448,20 @@ def generate(model, source_tokens, start_id, end_id, max_length, method="greedy"
             f"`beam_size`={beam_size} is too large for a target vocabulary of {vocab}: beam "
             "search draws 2 * beam_size candidates among the non-padding tokens."
         )
-    source_tokens = np.asarray(source_tokens)
-    if source_tokens.ndim != 2 or source_tokens.shape[0] == 0:
-        raise ValueError("`source_tokens` must be int token ids of shape (batch, length); "
-                         f"received shape {source_tokens.shape} (at least one source is needed).")
-    source_tokens = source_tokens.astype("int32")
-    start_id, end_id = int(start_id), int(end_id)
+    source_tokens = _source_array(source_tokens, parts.encoder_embedding.vocab_size, pad_id)
+    stop_id = _NO_END if end_id is None else end_id
 
     if method == "greedy" or beam_size == 1:  # one beam is greedy search
-        key = ("greedy", start_id, end_id, max_length)
+        key = ("greedy", start_id, stop_id, pad_id, max_length)
 
         def search(source):
-            return _greedy_search(parts, source, start_id, end_id, max_length)
+            return _greedy_search(parts, source, start_id, stop_id, max_length, pad_id)
     else:
-        key = ("beam", start_id, end_id, max_length, beam_size, float(length_penalty))
+        key = ("beam", start_id, stop_id, pad_id, max_length, beam_size, float(length_penalty))
 
         def search(source):
-            return _beam_search(parts, source, start_id, end_id, max_length, beam_size,
-                                float(length_penalty))
+            return _beam_search(parts, source, start_id, stop_id, max_length, beam_size,
+                                float(length_penalty), pad_id)
 
     compiled = _COMPILED.setdefault(model, {})
     if key not in compiled:
@@ -407,7 +479,7 @@ def generate(model, source_tokens, start_id, end_id, max_length, method="greedy"
         if progress is not None:
             progress.update(n + 1)
     tokens = np.concatenate(all_tokens, axis=0)
-    longest = int((tokens != PAD_ID).sum(axis=1).max(initial=0))
+    longest = int((tokens != pad_id).sum(axis=1).max(initial=0))
     tokens = tokens[:, :max(longest, 1)]
     if return_scores:
         return tokens, np.concatenate(all_scores, axis=0)

@@ -12,22 +12,32 @@ from keras_tfm._checks import check_rank
 _SERIALIZABLE = keras.saving.register_keras_serializable(package="keras_tfm")
 
 
-def sinusoidal_encoding(length, width, start_index=0, max_wavelength=10000.0):
+SINUSOIDAL_LAYOUTS = ("interleaved", "halves")
+
+
+def sinusoidal_encoding(length, width, start_index=0, max_wavelength=10000.0,
+                        layout="interleaved"):
     """The sinusoidal table `PE[pos, :]` for `pos = start_index … start_index + length - 1`.
 
-    `PE(pos, 2i) = sin(pos / max_wavelength^(2i/width))` and
-    `PE(pos, 2i+1) = cos(pos / max_wavelength^(2i/width))` (sine on even channels, cosine on odd,
-    interleaved). An odd width keeps the sine of the last pair. Computed in float32.
+    With `w_i = max_wavelength^(-2i/width)`, each pair i holds `sin(pos · w_i)` and
+    `cos(pos · w_i)`. `layout="interleaved"` (the paper, the seeds) puts the sine on channel 2i
+    and the cosine on 2i + 1; `layout="halves"` (MarianMT, tensor2tensor) puts every sine in the
+    first `ceil(width / 2)` channels and every cosine in the rest. An odd width keeps the sine of
+    the last pair. Computed in float32.
 
     Returns:
         float32 tensor of shape `(length, width)`.
     """
+    if layout not in SINUSOIDAL_LAYOUTS:
+        raise ValueError(f"`layout` must be one of {SINUSOIDAL_LAYOUTS}; received {layout!r}.")
     pairs = (width + 1) // 2
     positions = ops.cast(ops.arange(length, dtype="int32") + ops.cast(start_index, "int32"),
                          "float32")
     exponents = ops.cast(ops.arange(pairs, dtype="int32"), "float32") * (2.0 / width)
     inverse_frequencies = ops.power(ops.cast(max_wavelength, "float32"), -exponents)
     angles = positions[:, None] * inverse_frequencies[None, :]  # (length, pairs)
+    if layout == "halves":
+        return ops.concatenate([ops.sin(angles), ops.cos(angles)[:, :width // 2]], axis=-1)
     table = ops.stack([ops.sin(angles), ops.cos(angles)], axis=-1)  # (length, pairs, 2)
     table = ops.reshape(table, (length, 2 * pairs))
     return table[:, :width] if width % 2 else table
@@ -44,6 +54,8 @@ class SinusoidalPositionalEncoding(keras.layers.Layer):
 
     Args:
         max_wavelength: the base 10000 of the formula.
+        layout: `"interleaved"` (sine on even channels, cosine on odd: the paper and the seeds)
+            or `"halves"` (all sines, then all cosines: MarianMT and tensor2tensor).
         **kwargs: base `Layer` arguments.
 
     Call arguments:
@@ -60,25 +72,30 @@ class SinusoidalPositionalEncoding(keras.layers.Layer):
     [0.841, 0.540, 0.010, 1.000]
     """
 
-    def __init__(self, max_wavelength=10000.0, **kwargs):
+    def __init__(self, max_wavelength=10000.0, layout="interleaved", **kwargs):
         super().__init__(**kwargs)
         if not max_wavelength > 0:
             raise ValueError(f"`max_wavelength` must be positive; received {max_wavelength!r}.")
+        if layout not in SINUSOIDAL_LAYOUTS:
+            raise ValueError(f"`layout` must be one of {SINUSOIDAL_LAYOUTS}; received "
+                             f"layout={layout!r}.")
         self.max_wavelength = float(max_wavelength)
+        self.layout = layout
         self.supports_masking = True
         self.built = True
 
     def call(self, inputs, start_index=0):
         check_rank(self, "inputs", inputs.shape, 3)
         encoding = sinusoidal_encoding(ops.shape(inputs)[1], inputs.shape[-1], start_index,
-                                       self.max_wavelength)
+                                       self.max_wavelength, self.layout)
         return inputs + ops.cast(encoding, inputs.dtype)[None]
 
     def compute_output_shape(self, input_shape):
         return input_shape
 
     def get_config(self):
-        return super().get_config() | {"max_wavelength": self.max_wavelength}
+        return super().get_config() | {"max_wavelength": self.max_wavelength,
+                                       "layout": self.layout}
 
 
 @_SERIALIZABLE
@@ -203,13 +220,10 @@ class RotaryEmbedding(keras.layers.Layer):
         width = inputs.shape[-1]
         half = width // 2
         shape = ops.shape(inputs)
-        positions = ops.cast(ops.arange(shape[1], dtype="int32") + ops.cast(start_index, "int32"),
-                             "float32")
-        exponents = ops.cast(ops.arange(half, dtype="int32"), "float32") * (2.0 / width)
-        inverse_frequencies = ops.power(ops.cast(self.max_wavelength, "float32"), -exponents)
-        angles = positions[:, None] * inverse_frequencies[None, :]  # (T, d/2)
-        cos = ops.cos(angles)[None, :, None, :]
-        sin = ops.sin(angles)[None, :, None, :]
+        # the same angles as the sinusoidal encoding of width d: sines, then cosines
+        table = sinusoidal_encoding(shape[1], width, start_index, self.max_wavelength,
+                                    layout="halves")[None, :, None, :]  # (1, T, 1, d)
+        sin, cos = table[..., :half], table[..., half:]
         x = ops.cast(inputs, "float32")
         if self.interleaved:
             pairs = ops.reshape(x, (shape[0], shape[1], shape[2], half, 2))

@@ -1,13 +1,214 @@
 """The encoder-decoder transformer assembled with the Keras functional API (seed 000's block
 diagram: embeddings + positional encoding → N encoder blocks; embeddings + positional encoding →
-N decoder blocks attending to the encoder output → linear → softmax)."""
+N decoder blocks attending to the encoder output → linear → softmax).
+
+`Seq2SeqTransformer` is a functional `keras.Model` subclass (as keras_hub's backbones): it stays
+a functional graph of keras_tfm layers, and its config holds the hyper-parameters and the
+special token ids, so a `.keras` file rebuilds it and `generate` finds its ids.
+"""
 
 import keras
 
-from keras_tfm._checks import check_dropout, check_positive_int
+from keras_tfm import masks as masks_lib
+from keras_tfm._checks import check_dropout, check_positive_int, with_quantized_dtypes
 from keras_tfm.blocks import TransformerDecoderBlock, TransformerEncoderBlock
 from keras_tfm.dropout import Dropout
 from keras_tfm.embedding import TokenAndPositionEmbedding
+
+SPECIAL_ID_NAMES = ("pad_id", "start_id", "end_id")
+
+
+def _check_id(name, value, vocab_size, allow_none=True):
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < vocab_size:
+        raise ValueError(f"`{name}` must be a token id in [0, {vocab_size}); received "
+                         f"{name}={value!r}.")
+    return value
+
+
+@keras.saving.register_keras_serializable(package="keras_tfm")
+class Seq2SeqTransformer(keras.Model):
+    """The encoder-decoder transformer: `[encoder_tokens, decoder_tokens] → logits`.
+
+    A functional model (the graph of keras_tfm layers of seed 000's diagram) that remembers its
+    hyper-parameters and special token ids: `generate(model, source, max_length=...)` reads
+    `model.special_ids`, and a `.keras` file rebuilds the model from its config. Build it with
+    `build_transformer` (same arguments) or `keras_tfm.from_marian`.
+
+    Inputs `encoder_tokens` `(B, S)` and `decoder_tokens` `(B, T)` are int token ids, right-padded
+    with `pad_id`; the output is the logits `(B, T, tgt_vocab_size)` (the softmax is left to the
+    loss). Layer names follow the diagram: `encoder_embedding`, `encoder_block_{i}`,
+    `decoder_embedding`, `decoder_block_{i}`, `logits` (one `shared_embedding` instead of the two
+    embeddings with `share_embeddings=True`); with `norm_first=True` (pre-LN) each stack ends in
+    a layer normalization (`encoder_norm`, `decoder_norm`), as in `torch.nn.Transformer`.
+
+    Args:
+        src_vocab_size, tgt_vocab_size: vocabulary sizes.
+        d_model: model width; must be divisible by `num_heads`.
+        num_heads: attention heads.
+        ff_dim: hidden width of the feed-forward networks.
+        num_encoder_layers, num_decoder_layers: N of each stack (≥ 1).
+        dropout: dropout rate (embeddings, residuals, attention weights, feed-forward).
+        attention_dropout, activation_dropout: rates on the attention weights and on the
+            feed-forward's hidden units, when they should differ from `dropout` (see
+            `TransformerEncoderBlock`).
+        norm_first: False for post-LN (the paper), True for pre-LN.
+        max_length: longest sequence; required for `positional="learned"`.
+        positional: `"sinusoidal"` or `"learned"`.
+        tie_embeddings: share the *target* embedding matrix with the output projection
+            (`logits = h Eᵀ`, no separate output kernel).
+        share_embeddings: one embedding layer (token matrix and positions) for the source, the
+            target and, with `tie_embeddings`, the output projection; needs equal vocabularies.
+        positional_layout: `"interleaved"` (the paper) or `"halves"` (MarianMT) sinusoids.
+        activation: the feed-forward activation (`"relu"`, `"gelu"`, `"swish"`, ...).
+        scale_embeddings: multiply token embeddings by √d_model (the paper).
+        logits_bias: with `tie_embeddings`, add a learned bias to the tied projection (an
+            untied `logits` Dense layer always has one).
+        layer_norm_epsilon: epsilon of every layer normalization.
+        dtype: the dtype policy of every layer (a `DTypePolicyMap` rebuilds quantized layers).
+        pad_id: the padding id of both vocabularies (masks; pass it to the loss and metric as
+            `ignore_class`).
+        start_id, end_id: the decoder's start and end ids (`generate` uses them by default).
+            A `start_id` equal to `pad_id` (MarianMT) is attended all the same.
+        name: the model's name.
+
+    Example:
+
+    >>> model = Seq2SeqTransformer(100, 120, d_model=32, num_heads=4, ff_dim=64,
+    ...                            num_encoder_layers=2, num_decoder_layers=2)
+    >>> model([np.ones((2, 7)), np.ones((2, 5))]).shape
+    (2, 5, 120)
+    """
+
+    def __init__(
+        self,
+        src_vocab_size,
+        tgt_vocab_size,
+        d_model=512,
+        num_heads=8,
+        ff_dim=2048,
+        num_encoder_layers=6,
+        num_decoder_layers=6,
+        dropout=0.1,
+        attention_dropout=None,
+        activation_dropout=None,
+        norm_first=False,
+        max_length=None,
+        positional="sinusoidal",
+        tie_embeddings=False,
+        share_embeddings=False,
+        positional_layout="interleaved",
+        activation="relu",
+        scale_embeddings=True,
+        logits_bias=False,
+        layer_norm_epsilon=1e-5,
+        pad_id=0,
+        start_id=None,
+        end_id=None,
+        name="transformer",
+        dtype=None,
+        **kwargs,
+    ):
+        check_positive_int("src_vocab_size", src_vocab_size)
+        check_positive_int("tgt_vocab_size", tgt_vocab_size)
+        check_positive_int("num_encoder_layers", num_encoder_layers)
+        check_positive_int("num_decoder_layers", num_decoder_layers)
+        check_positive_int("d_model", d_model)
+        check_positive_int("num_heads", num_heads)
+        check_dropout("dropout", dropout)
+        if d_model % num_heads:
+            raise ValueError(f"d_model={d_model} is not divisible by num_heads={num_heads}.")
+        if share_embeddings and src_vocab_size != tgt_vocab_size:
+            raise ValueError("`share_embeddings=True` needs one vocabulary; received "
+                             f"src_vocab_size={src_vocab_size}, tgt_vocab_size={tgt_vocab_size}.")
+        _check_id("pad_id", pad_id, min(src_vocab_size, tgt_vocab_size), allow_none=False)
+        _check_id("start_id", start_id, tgt_vocab_size)
+        _check_id("end_id", end_id, tgt_vocab_size)
+        if end_id is not None and end_id == pad_id:
+            raise ValueError(f"`end_id` must differ from the padding id; received end_id={end_id}"
+                             f" and pad_id={pad_id}.")
+        self._model_config = dict(
+            src_vocab_size=src_vocab_size, tgt_vocab_size=tgt_vocab_size, d_model=d_model,
+            num_heads=num_heads, ff_dim=ff_dim, num_encoder_layers=num_encoder_layers,
+            num_decoder_layers=num_decoder_layers, dropout=dropout,
+            attention_dropout=attention_dropout, activation_dropout=activation_dropout,
+            norm_first=norm_first, max_length=max_length, positional=positional,
+            tie_embeddings=tie_embeddings, share_embeddings=share_embeddings,
+            positional_layout=positional_layout, activation=activation,
+            scale_embeddings=scale_embeddings, logits_bias=logits_bias,
+            layer_norm_epsilon=layer_norm_epsilon, pad_id=pad_id, start_id=start_id,
+            end_id=end_id,
+        )
+        embedding_kwargs = dict(d_model=d_model, max_length=max_length, positional=positional,
+                                positional_layout=positional_layout, pad_id=pad_id,
+                                scale=scale_embeddings, dtype=dtype)
+        block_kwargs = dict(num_heads=num_heads, ff_dim=ff_dim, dropout=dropout,
+                            attention_dropout=attention_dropout,
+                            activation_dropout=activation_dropout, activation=activation,
+                            norm_first=norm_first, layer_norm_epsilon=layer_norm_epsilon,
+                            dtype=dtype)
+        reverse_bias = bool(tie_embeddings and logits_bias)
+
+        encoder_tokens = keras.Input((None,), dtype="int32", name="encoder_tokens")
+        decoder_tokens = keras.Input((None,), dtype="int32", name="decoder_tokens")
+
+        if share_embeddings:
+            source_embedding = target_embedding = TokenAndPositionEmbedding(
+                src_vocab_size, name="shared_embedding", reverse_bias=reverse_bias,
+                **embedding_kwargs)
+        else:
+            source_embedding = TokenAndPositionEmbedding(src_vocab_size, name="encoder_embedding",
+                                                         **embedding_kwargs)
+            target_embedding = TokenAndPositionEmbedding(tgt_vocab_size, name="decoder_embedding",
+                                                         reverse_bias=reverse_bias,
+                                                         **embedding_kwargs)
+        x = source_embedding(encoder_tokens)
+        x = Dropout(dropout, dtype=dtype, name="encoder_embedding_dropout")(x)
+        for i in range(num_encoder_layers):
+            x = TransformerEncoderBlock(name=f"encoder_block_{i}", **block_kwargs)(x)
+        if norm_first:
+            x = keras.layers.LayerNormalization(epsilon=layer_norm_epsilon, dtype=dtype,
+                                                name="encoder_norm")(x)
+
+        y = target_embedding(decoder_tokens)
+        y = Dropout(dropout, dtype=dtype, name="decoder_embedding_dropout")(y)
+        decoder_kwargs = {}
+        if start_id is not None and start_id == pad_id:
+            # The decoder starts from the padding id (MarianMT): its first position is real.
+            decoder_kwargs["inputs_mask"] = masks_lib.padding_mask(decoder_tokens, pad_id,
+                                                                   keep_first=True)
+        for i in range(num_decoder_layers):
+            y = TransformerDecoderBlock(name=f"decoder_block_{i}", **block_kwargs)(
+                y, x, **decoder_kwargs)
+        if norm_first:
+            y = keras.layers.LayerNormalization(epsilon=layer_norm_epsilon, dtype=dtype,
+                                                name="decoder_norm")(y)
+        if tie_embeddings:
+            logits = target_embedding(y, reverse=True)
+        else:
+            logits = keras.layers.Dense(tgt_vocab_size, dtype=dtype, name="logits")(y)
+        super().__init__([encoder_tokens, decoder_tokens], logits, name=name, **kwargs)
+
+    @property
+    def special_ids(self):
+        """The model's special token ids, `{"pad_id": …, "start_id": …, "end_id": …}` (the ids
+        that were given)."""
+        return {key: self._model_config[key] for key in SPECIAL_ID_NAMES
+                if self._model_config[key] is not None}
+
+    def get_config(self):
+        config = dict(self._model_config, name=self.name, trainable=self.trainable)
+        # After `quantize`: a DTypePolicyMap of the quantized layers, which `__init__` passes
+        # to every layer, so that a file rebuilds them quantized (as keras_hub's backbones).
+        return with_quantized_dtypes(self, config)
+
+    @classmethod
+    def from_config(cls, config):
+        config = dict(config)
+        if isinstance(config.get("dtype"), dict):
+            config["dtype"] = keras.dtype_policies.get(config["dtype"])
+        return cls(**config)
 
 
 def build_transformer(
@@ -26,77 +227,30 @@ def build_transformer(
     positional="sinusoidal",
     tie_embeddings=False,
     name="transformer",
+    **kwargs,
 ):
-    """Build the encoder-decoder transformer as a functional `keras.Model`.
+    """Build the encoder-decoder transformer: a `Seq2SeqTransformer` (a functional `keras.Model`).
 
-    Inputs `encoder_tokens` `(B, S)` and `decoder_tokens` `(B, T)` are int token ids with 0 as
-    padding; the output is the logits `(B, T, tgt_vocab_size)` (the softmax is left to the loss).
-    Layer names follow the seed's diagram: `encoder_embedding`, `encoder_block_{i}`,
-    `decoder_embedding`, `decoder_block_{i}`, `logits`; with `norm_first=True` (pre-LN) each
-    stack ends in a layer normalization (`encoder_norm`, `decoder_norm`), as in `torch.nn.Transformer`.
-
-    Args:
-        src_vocab_size, tgt_vocab_size: vocabulary sizes (id 0 is padding in both).
-        d_model: model width; must be divisible by `num_heads`.
-        num_heads: attention heads.
-        ff_dim: hidden width of the feed-forward networks.
-        num_encoder_layers, num_decoder_layers: N of each stack (≥ 1).
-        dropout: dropout rate (embeddings, residuals, attention weights, feed-forward).
-        attention_dropout, activation_dropout: rates on the attention weights and on the
-            feed-forward's hidden units, when they should differ from `dropout` (see
-            `TransformerEncoderBlock`).
-        norm_first: False for post-LN (the paper), True for pre-LN.
-        max_length: longest sequence; required for `positional="learned"`.
-        positional: `"sinusoidal"` or `"learned"`.
-        tie_embeddings: share the *target* embedding matrix with the output projection
-            (`logits = h Eᵀ`, no separate output kernel). Only the target side is tied, so the
-            source and target vocabularies may differ.
-        name: the model's name.
+    Takes the arguments of `Seq2SeqTransformer`, the first fifteen also by position (as
+    before the class existed); the rest by keyword: `share_embeddings=False,
+    positional_layout="interleaved", activation="relu", scale_embeddings=True,
+    logits_bias=False, layer_norm_epsilon=1e-5, pad_id=0, start_id=None, end_id=None`.
 
     Returns:
-        A `keras.Model` mapping `[encoder_tokens, decoder_tokens]` to logits.
+        A `keras.Model` mapping `[encoder_tokens (B, S), decoder_tokens (B, T)]` to logits
+        `(B, T, tgt_vocab_size)`.
 
     Example:
 
     >>> model = build_transformer(100, 120, d_model=32, num_heads=4, ff_dim=64,
-    ...                           num_encoder_layers=2, num_decoder_layers=2)
+    ...                           num_encoder_layers=2, num_decoder_layers=2,
+    ...                           start_id=1, end_id=2)
     >>> model([np.ones((2, 7)), np.ones((2, 5))]).shape
     (2, 5, 120)
     """
-    check_positive_int("num_encoder_layers", num_encoder_layers)
-    check_positive_int("num_decoder_layers", num_decoder_layers)
-    check_positive_int("d_model", d_model)
-    check_positive_int("num_heads", num_heads)
-    check_dropout("dropout", dropout)
-    if d_model % num_heads:
-        raise ValueError(f"d_model={d_model} is not divisible by num_heads={num_heads}.")
-    embedding_kwargs = dict(d_model=d_model, max_length=max_length, positional=positional)
-    block_kwargs = dict(num_heads=num_heads, ff_dim=ff_dim, dropout=dropout,
-                        attention_dropout=attention_dropout,
-                        activation_dropout=activation_dropout,
-                        norm_first=norm_first)
-
-    encoder_tokens = keras.Input((None,), dtype="int32", name="encoder_tokens")
-    decoder_tokens = keras.Input((None,), dtype="int32", name="decoder_tokens")
-
-    x = TokenAndPositionEmbedding(src_vocab_size, name="encoder_embedding",
-                                  **embedding_kwargs)(encoder_tokens)
-    x = Dropout(dropout, name="encoder_embedding_dropout")(x)
-    for i in range(num_encoder_layers):
-        x = TransformerEncoderBlock(name=f"encoder_block_{i}", **block_kwargs)(x)
-    if norm_first:
-        x = keras.layers.LayerNormalization(epsilon=1e-5, name="encoder_norm")(x)
-
-    target_embedding = TokenAndPositionEmbedding(tgt_vocab_size, name="decoder_embedding",
-                                                 **embedding_kwargs)
-    y = target_embedding(decoder_tokens)
-    y = Dropout(dropout, name="decoder_embedding_dropout")(y)
-    for i in range(num_decoder_layers):
-        y = TransformerDecoderBlock(name=f"decoder_block_{i}", **block_kwargs)(y, x)
-    if norm_first:
-        y = keras.layers.LayerNormalization(epsilon=1e-5, name="decoder_norm")(y)
-    if tie_embeddings:
-        logits = target_embedding(y, reverse=True)
-    else:
-        logits = keras.layers.Dense(tgt_vocab_size, name="logits")(y)
-    return keras.Model([encoder_tokens, decoder_tokens], logits, name=name)
+    return Seq2SeqTransformer(
+        src_vocab_size, tgt_vocab_size, d_model=d_model, num_heads=num_heads, ff_dim=ff_dim,
+        num_encoder_layers=num_encoder_layers, num_decoder_layers=num_decoder_layers,
+        dropout=dropout, attention_dropout=attention_dropout,
+        activation_dropout=activation_dropout, norm_first=norm_first, max_length=max_length,
+        positional=positional, tie_embeddings=tie_embeddings, name=name, **kwargs)
