@@ -5,9 +5,9 @@
 
 The sentences of seed 003's source language X (examples/toy_data.py: 7 words, random lengths
 5-20, padded) are labelled with a property that depends on word order: does the word "a" occur
-before the first "b" (or in a sentence without "b")? `build_encoder` (bidirectional self-attention, mean pooling over the
-real tokens, a dense classifier) is trained with `model.fit`, evaluated on 1,000 held-out
-sentences, saved and reloaded. Only the public API of keras_tfm is used.
+before the first "b" (or in a sentence without "b")? `build_encoder` (bidirectional
+self-attention, mean pooling over the real tokens, a dense classifier) is trained with
+`model.fit`, evaluated on 1,000 held-out sentences, saved and reloaded. Only the public API of keras_tfm is used.
 """
 
 import argparse

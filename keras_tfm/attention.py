@@ -263,8 +263,8 @@ class MultiHeadSelfAttention(_MultiHeadAttentionBase):
         training: whether attention dropout is active.
         return_attention_scores: also return the attention weights `(B, H, T, T)`.
         cache: optional key/value cache for autoregressive decoding (causal layers only), a
-            preallocated tensor `(B, 2, L, num_key_value_heads, key_dim)` (keys at `[:, 0]`, values at
-            `[:, 1]`; needs `value_dim == key_dim`). The keys and values of `inputs` are written
+            preallocated tensor `(B, 2, L, num_key_value_heads, key_dim)` (keys at `[:, 0]`,
+            values at `[:, 1]`; needs `value_dim == key_dim`). The keys and values of `inputs` are written
             at positions `cache_update_index … cache_update_index + T - 1`, and the queries
             attend over the cache, query i seeing keys `0 … cache_update_index + i`. With
             rotary positions the cache holds rotated keys.

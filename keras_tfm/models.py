@@ -15,36 +15,32 @@ from keras_tfm._checks import check_dropout, check_positive_int
 from keras_tfm.blocks import TransformerDecoderBlock, TransformerEncoderBlock
 from keras_tfm.dropout import Dropout
 from keras_tfm.positional import PositionEmbedding, SinusoidalPositionalEncoding
+from keras_tfm.seq2seq import SPECIAL_ID_NAMES, _check_id
 
 _SERIALIZABLE = keras.saving.register_keras_serializable(package="keras_tfm")
 
 POSITIONAL_KINDS = ("rotary", "sinusoidal", "learned")
 POOLINGS = ("mean", "first")
-SPECIAL_ID_KEYS = ("pad_id", "start_id", "end_id")
-
-
-def _check_special_ids(special_ids, vocab_size):
-    special_ids = {"pad_id": 0} if special_ids is None else dict(special_ids)
-    unknown = sorted(set(special_ids) - set(SPECIAL_ID_KEYS))
-    if unknown:
-        raise ValueError(f"`special_ids` takes the keys {SPECIAL_ID_KEYS}; received {unknown}.")
-    for key, value in special_ids.items():
-        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < vocab_size:
-            raise ValueError(f"`special_ids[{key!r}]` must be a token id in [0, {vocab_size}); "
-                             f"received {value!r}.")
-    special_ids.setdefault("pad_id", 0)
-    return special_ids
 
 
 _HYPER_PARAMETERS = ("vocab_size", "d_model", "num_heads", "ff_dim", "num_layers", "positional",
                      "num_key_value_heads", "norm_first", "dropout", "max_length", "activation",
                      "gated_feed_forward", "normalization", "layer_norm_epsilon", "use_bias",
-                     "rotary_max_wavelength", "scale_embeddings")
+                     "rotary_max_wavelength", "scale_embeddings") + SPECIAL_ID_NAMES
 
 
 def _hyper_parameters(arguments, *extra):
-    """The config of a stack model: its constructor's arguments, picked from `locals()`."""
-    return {key: arguments[key] for key in _HYPER_PARAMETERS + extra}
+    """The config of a stack model: its constructor's arguments, picked from `locals()`; the
+    special ids checked."""
+    config = {key: arguments[key] for key in _HYPER_PARAMETERS + extra}
+    vocab_size = config["vocab_size"]
+    _check_id("pad_id", config["pad_id"], vocab_size, allow_none=False)
+    _check_id("start_id", config["start_id"], vocab_size)
+    _check_id("end_id", config["end_id"], vocab_size)
+    if config["end_id"] is not None and config["end_id"] == config["pad_id"]:
+        raise ValueError(f"`end_id` must differ from the padding id; received "
+                         f"end_id={config['end_id']} and pad_id={config['pad_id']}.")
+    return config
 
 
 class _StackModel(keras.Model):
@@ -64,7 +60,7 @@ class _StackModel(keras.Model):
         if positional == "learned" and config["max_length"] is None:
             raise ValueError('`max_length` is required for positional="learned" (the size of '
                              "the learned position table); received max_length=None.")
-        mask = masks_lib.padding_mask(tokens, config["special_ids"]["pad_id"])
+        mask = masks_lib.padding_mask(tokens, config["pad_id"])
         x = keras.layers.Embedding(vocab_size, d_model, name="token_embedding")(tokens)
         if config["scale_embeddings"]:
             x = x * (d_model ** 0.5)
@@ -93,9 +89,15 @@ class _StackModel(keras.Model):
                else keras.layers.LayerNormalization)
         return cls(epsilon=config["layer_norm_epsilon"], name="final_norm")(x)
 
+    @property
+    def special_ids(self):
+        """The model's special token ids, `{"pad_id": …, "start_id": …, "end_id": …}` (the ids
+        that were given)."""
+        return {key: self._model_config[key] for key in SPECIAL_ID_NAMES
+                if self._model_config[key] is not None}
+
     def get_config(self):
-        return {"name": self.name, "trainable": self.trainable, **self._hyper_parameters,
-                "special_ids": dict(self.special_ids)}
+        return dict(self._model_config, name=self.name, trainable=self.trainable)
 
     @classmethod
     def from_config(cls, config):
@@ -108,29 +110,27 @@ class LanguageModel(_StackModel):
 
     Build it with `build_language_model` (same arguments). Layers: `token_embedding`,
     `position_encoding` / `position_embedding` (unless rotary), `decoder_block_{i}` (decoder
-    blocks without cross-attention), `final_norm` (pre-LN), `logits`. The model carries its
-    special ids in `model.special_ids` (saved with it); `keras_tfm.generate` continues prompts
-    with it.
+    blocks without cross-attention), `final_norm` (pre-LN), `logits`. As `Seq2SeqTransformer`,
+    the model's config holds its hyper-parameters and special ids (`model.special_ids`), so a
+    `.keras` file rebuilds it and `keras_tfm.generate` finds its ids.
     """
 
     def __init__(self, vocab_size, d_model=512, num_heads=8, ff_dim=2048, num_layers=6,
                  positional="rotary", num_key_value_heads=None, norm_first=True, dropout=0.0,
                  max_length=None, activation="gelu", gated_feed_forward=False,
                  normalization="layer_norm", layer_norm_epsilon=1e-5, use_bias=True,
-                 rotary_max_wavelength=10000.0, scale_embeddings=False, special_ids=None,
-                 name="language_model", **kwargs):
+                 rotary_max_wavelength=10000.0, scale_embeddings=False, pad_id=0, start_id=None,
+                 end_id=None, name="language_model", **kwargs):
         config = _hyper_parameters(locals())
-        special_ids = _check_special_ids(special_ids, vocab_size)
         tokens = keras.Input((None,), dtype="int32", name="tokens")
-        x, mask = self._embed(tokens, config | {"special_ids": special_ids})
+        x, mask = self._embed(tokens, config)
         for i in range(num_layers):
             x = TransformerDecoderBlock(name=f"decoder_block_{i}",
                                         **self._block_kwargs(config))(x, inputs_mask=mask)
         x = self._final_norm(x, config)
         logits = keras.layers.Dense(vocab_size, use_bias=use_bias, name="logits")(x)
+        self._model_config = config
         super().__init__(inputs=tokens, outputs=logits, name=name, **kwargs)
-        self._hyper_parameters = config
-        self.special_ids = special_ids
 
 
 @_SERIALIZABLE
@@ -140,23 +140,22 @@ class EncoderModel(_StackModel):
 
     Build it with `build_encoder` (same arguments). Layers: `token_embedding`, positions,
     `encoder_block_{i}`, `final_norm` (pre-LN), and with `num_classes` the pooling and the
-    `classifier` dense layer. `model.special_ids["pad_id"]` is the padding id of the inputs.
+    `classifier` dense layer. `pad_id` (in `model.special_ids`) is the padding id of the inputs.
     """
 
     def __init__(self, vocab_size, d_model=256, num_heads=4, ff_dim=1024, num_layers=4,
                  positional="sinusoidal", num_key_value_heads=None, norm_first=False,
                  dropout=0.1, max_length=None, activation="gelu", gated_feed_forward=False,
                  normalization="layer_norm", layer_norm_epsilon=1e-5, use_bias=True,
-                 rotary_max_wavelength=10000.0, scale_embeddings=True, special_ids=None,
-                 num_classes=None, pooling="mean", name="encoder", **kwargs):
+                 rotary_max_wavelength=10000.0, scale_embeddings=True, pad_id=0, start_id=None,
+                 end_id=None, num_classes=None, pooling="mean", name="encoder", **kwargs):
         config = _hyper_parameters(locals(), "num_classes", "pooling")
-        special_ids = _check_special_ids(special_ids, vocab_size)
         if num_classes is not None:
             check_positive_int("num_classes", num_classes)
         if pooling not in POOLINGS:
             raise ValueError(f"`pooling` must be one of {POOLINGS}; received pooling={pooling!r}.")
         tokens = keras.Input((None,), dtype="int32", name="tokens")
-        x, mask = self._embed(tokens, config | {"special_ids": special_ids})
+        x, mask = self._embed(tokens, config)
         for i in range(num_layers):
             x = TransformerEncoderBlock(name=f"encoder_block_{i}",
                                         **self._block_kwargs(config))(x, mask=mask)
@@ -169,9 +168,8 @@ class EncoderModel(_StackModel):
                 count = ops.maximum(ops.sum(weights, axis=1), 1.0)
                 pooled = ops.sum(outputs * weights, axis=1) / count
             outputs = keras.layers.Dense(num_classes, name="classifier")(pooled)
+        self._model_config = config
         super().__init__(inputs=tokens, outputs=outputs, name=name, **kwargs)
-        self._hyper_parameters = config
-        self.special_ids = special_ids
 
 
 def build_language_model(vocab_size, d_model=512, num_heads=8, ff_dim=2048, num_layers=6,
@@ -180,7 +178,7 @@ def build_language_model(vocab_size, d_model=512, num_heads=8, ff_dim=2048, num_
     """Build a decoder-only transformer language model (GPT / LLaMA shape).
 
     `tokens (B, T) → logits (B, T, vocab_size)`; each position sees itself and the positions
-    before it (causal), and padding (`special_ids["pad_id"]`, 0 by default) is masked as keys.
+    before it (causal), and padding (`pad_id`, 0 by default) is masked as keys.
     Train it with `fit` on next-token targets (`x = tokens[:, :-1]`, `y = tokens[:, 1:]`) and
     `MaskedSparseCategoricalCrossentropy`; continue prompts with `keras_tfm.generate`.
 
@@ -197,8 +195,8 @@ def build_language_model(vocab_size, d_model=512, num_heads=8, ff_dim=2048, num_
         **kwargs: `dropout` (0), `max_length`, `activation` ("gelu"), `gated_feed_forward`
             (SwiGLU with `activation="silu"`), `normalization` ("layer_norm" or "rms_norm"),
             `layer_norm_epsilon`, `use_bias`, `rotary_max_wavelength`, `scale_embeddings`
-            (×√d_model, False), `special_ids` (dict with keys among "pad_id", "start_id",
-            "end_id"), `name`.
+            (×√d_model, False), `pad_id` (0), `start_id`, `end_id` (the model's special ids,
+            `model.special_ids`; `generate` stops at `end_id` by default), `name`.
 
     Returns:
         A `LanguageModel` (a functional `keras.Model`).
@@ -206,7 +204,7 @@ def build_language_model(vocab_size, d_model=512, num_heads=8, ff_dim=2048, num_
     Example:
 
     >>> lm = build_language_model(100, d_model=32, num_heads=4, ff_dim=64, num_layers=2,
-    ...                           num_key_value_heads=2, special_ids={"end_id": 2})
+    ...                           num_key_value_heads=2, end_id=2)
     >>> lm(np.ones((2, 7), "int32")).shape
     (2, 7, 100)
     """
@@ -220,7 +218,7 @@ def build_encoder(vocab_size, d_model=256, num_heads=4, ff_dim=1024, num_layers=
                   num_classes=None, pooling="mean", **kwargs):
     """Build an encoder-only transformer (BERT shape): features or a sequence classifier.
 
-    Bidirectional self-attention over the tokens, padding (`special_ids["pad_id"]`, 0 by
+    Bidirectional self-attention over the tokens, padding (`pad_id`, 0 by
     default) masked as keys. Without `num_classes` the output is the per-token features
     `(B, T, d_model)`; with it, the logits `(B, num_classes)` of a dense layer on the mean of
     the real tokens' features (`pooling="mean"`) or on the first token's (`"first"`, a [CLS]

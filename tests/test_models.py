@@ -58,7 +58,7 @@ def test_language_model_trains_with_fit_on_next_tokens():
 
 def test_language_model_keras_file_keeps_config_weights_and_special_ids(tmp_path):
     lm = small_lm(num_key_value_heads=1, normalization="rms_norm", gated_feed_forward=True,
-                  activation="silu", special_ids={"pad_id": 0, "end_id": 2, "start_id": 1})
+                  activation="silu", pad_id=0, end_id=2, start_id=1)
     x = tokens(2, 6)
     path = str(tmp_path / "lm.keras")
     lm.save(path)
@@ -72,16 +72,19 @@ def test_language_model_keras_file_keeps_config_weights_and_special_ids(tmp_path
 
 
 @pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
-def test_language_model_mixed_precision(policy):
+def test_language_model_and_encoder_mixed_precision(policy):
     keras.config.set_dtype_policy(policy)
     try:
-        lm = small_lm(num_key_value_heads=2, normalization="rms_norm")
         x = tokens(2, 6)
         x[1, 3:] = 0
-        out = lm(x)
-        assert keras.backend.standardize_dtype(out.dtype) == policy.split("_")[1]
-        assert np.isfinite(to_np(keras.ops.cast(out, "float32"))).all()
-        assert all(keras.backend.standardize_dtype(w.dtype) == "float32" for w in lm.weights)
+        for model in (small_lm(num_key_value_heads=2, normalization="rms_norm"),
+                      build_encoder(64, d_model=32, num_heads=4, ff_dim=64, num_layers=1,
+                                    num_classes=2)):
+            out = model(x)
+            assert keras.backend.standardize_dtype(out.dtype) == policy.split("_")[1]
+            assert np.isfinite(to_np(keras.ops.cast(out, "float32"))).all()
+            assert all(keras.backend.standardize_dtype(w.dtype) == "float32"
+                       for w in model.weights)
     finally:
         keras.config.set_dtype_policy("float32")
 
@@ -106,7 +109,7 @@ def test_encoder_classifier_pools_real_tokens_only(pooling):
 def test_encoder_keras_file_round_trip(tmp_path):
     encoder = build_encoder(64, d_model=32, num_heads=4, ff_dim=64, num_layers=1, num_classes=2,
                             positional="rotary", num_key_value_heads=2, norm_first=True,
-                            special_ids={"pad_id": 5})
+                            pad_id=5)
     x = tokens(2, 6)
     x[0, 4:] = 5
     path = str(tmp_path / "encoder.keras")
@@ -125,9 +128,9 @@ def test_model_errors_name_the_values():
         small_lm(positional="learned")
     with pytest.raises(ValueError, match="num_heads=4, num_key_value_heads=3"):
         small_lm(num_key_value_heads=3)
-    with pytest.raises(ValueError, match=r"special_ids\['end_id'\].*received 64"):
-        small_lm(special_ids={"end_id": 64})
-    with pytest.raises(ValueError, match="bos_id"):
-        small_lm(special_ids={"bos_id": 1})
+    with pytest.raises(ValueError, match="end_id=64"):
+        small_lm(end_id=64)
+    with pytest.raises(ValueError, match="end_id=3 and pad_id=3"):
+        small_lm(end_id=3, pad_id=3)
     with pytest.raises(ValueError, match="pooling='max'"):
         build_encoder(64, num_classes=2, pooling="max")

@@ -219,3 +219,14 @@ def test_rotary_gqa_keras_file_round_trip(tmp_path):
     layer = restored.layers[-1]
     assert (layer.num_key_value_heads, layer.rotary, layer.rotary_max_wavelength) == (2, True,
                                                                                        500.0)
+
+
+def _make_gqa_cross():
+    return CrossAttention(num_heads=4, num_key_value_heads=1, dropout=0.1)
+
+
+def test_gqa_cross_attention_contract_and_mixed_precision():
+    run_layer_test(_make_gqa_cross, lambda layer, q, c: layer(q, c),
+                   [random((3, 4, 16)), random((3, 6, 16))], expected_shape=(3, 4, 16))
+    run_mixed_precision_test(_make_gqa_cross, lambda layer, q, c: layer(q, c),
+                             [random((3, 4, 16)), random((3, 6, 16))], "mixed_bfloat16")
