@@ -1,4 +1,4 @@
-"""keras_tfm: Keras 3 layers for the encoder-decoder transformer."""
+"""keras_tfm: Keras 3 layers for the transformer: encoder-decoder, decoder-only and encoder-only."""
 
 from keras_tfm import distribution, losses, masks, metrics, saving, schedules
 from keras_tfm._checks import check_token_ids
@@ -15,7 +15,8 @@ from keras_tfm.generation import Seq2SeqParts, generate
 from keras_tfm.losses import MaskedSparseCategoricalCrossentropy
 from keras_tfm.marian import from_marian, to_marian
 from keras_tfm.metrics import MaskedAccuracy
-from keras_tfm.positional import PositionEmbedding, SinusoidalPositionalEncoding
+from keras_tfm.models import EncoderModel, LanguageModel, build_encoder, build_language_model
+from keras_tfm.positional import PositionEmbedding, RotaryEmbedding, SinusoidalPositionalEncoding
 from keras_tfm.schedules import TransformerSchedule
 from keras_tfm.seq2seq import Seq2SeqTransformer, build_transformer
 
@@ -24,11 +25,14 @@ __version__ = "0.1.0"
 __all__ = [
     "CrossAttention",
     "Dropout",
+    "EncoderModel",
     "FeedForward",
+    "LanguageModel",
     "MaskedAccuracy",
     "MaskedSparseCategoricalCrossentropy",
     "MultiHeadSelfAttention",
     "PositionEmbedding",
+    "RotaryEmbedding",
     "Seq2SeqParts",
     "Seq2SeqTransformer",
     "SinusoidalPositionalEncoding",
@@ -36,6 +40,8 @@ __all__ = [
     "TransformerDecoderBlock",
     "TransformerEncoderBlock",
     "TransformerSchedule",
+    "build_encoder",
+    "build_language_model",
     "build_transformer",
     "check_token_ids",
     "distribution",

@@ -42,6 +42,21 @@ def check_same_batch(layer, first_name, first_shape, second_name, second_shape):
         )
 
 
+def check_key_value_heads(num_heads, num_key_value_heads):
+    """`num_key_value_heads` of grouped-query attention: None or a positive divisor of
+    `num_heads`."""
+    if num_key_value_heads is None:
+        return None
+    check_positive_int("num_key_value_heads", num_key_value_heads)
+    if num_heads % num_key_value_heads:
+        raise ValueError(
+            "`num_key_value_heads` must divide `num_heads` (each key/value head serves a group "
+            f"of query heads); received num_heads={num_heads}, "
+            f"num_key_value_heads={num_key_value_heads}."
+        )
+    return num_key_value_heads
+
+
 def check_token_ids(token_ids, vocab_size, name="token_ids"):
     """Check token ids in NumPy before anything runs; return them as an int32 array.
 

@@ -11,9 +11,10 @@ from keras import ops
 
 from keras_tfm import masks as masks_lib
 from keras_tfm._checks import clone_initializer
-from keras_tfm._checks import check_dropout, check_positive_int, check_rank, check_same_batch
-from keras_tfm._checks import with_quantized_dtypes
+from keras_tfm._checks import check_dropout, check_key_value_heads, check_positive_int
+from keras_tfm._checks import check_rank, check_same_batch, with_quantized_dtypes
 from keras_tfm.dropout import Dropout
+from keras_tfm.positional import RotaryEmbedding
 
 _SERIALIZABLE = keras.saving.register_keras_serializable(package="keras_tfm")
 
@@ -100,10 +101,12 @@ class _MultiHeadAttentionBase(keras.layers.Layer):
         bias_regularizer=None,
         kernel_constraint=None,
         bias_constraint=None,
+        num_key_value_heads=None,
         **kwargs,
     ):
         super().__init__(**kwargs)
         self.num_heads = check_positive_int("num_heads", num_heads)
+        self.num_key_value_heads = check_key_value_heads(num_heads, num_key_value_heads)
         self.key_dim = None if key_dim is None else check_positive_int("key_dim", key_dim)
         self.value_dim = None if value_dim is None else check_positive_int("value_dim", value_dim)
         self.dropout = check_dropout("dropout", dropout)
@@ -147,10 +150,11 @@ class _MultiHeadAttentionBase(keras.layers.Layer):
         self._d_model = d_model
         self._key_dim = self.key_dim or d_model // self.num_heads
         self._value_dim = self.value_dim or self._key_dim
-        heads = self.num_heads
+        heads, kv_heads = self.num_heads, self._kv_heads
         self.query_dense = self._dense("query", "btd,dhk->bthk", (None, heads, self._key_dim), "hk")
-        self.key_dense = self._dense("key", "bsd,dhk->bshk", (None, heads, self._key_dim), "hk")
-        self.value_dense = self._dense("value", "bsd,dhk->bshk", (None, heads, self._value_dim),
+        self.key_dense = self._dense("key", "bsd,dhk->bshk", (None, kv_heads, self._key_dim),
+                                     "hk")
+        self.value_dense = self._dense("value", "bsd,dhk->bshk", (None, kv_heads, self._value_dim),
                                        "hk")
         self.output_dense = self._dense("attention_output", "bthk,hkd->btd", (None, d_model), "d")
         self.query_dense.build(query_shape)
@@ -160,9 +164,18 @@ class _MultiHeadAttentionBase(keras.layers.Layer):
         self.dropout_layer = Dropout(self.dropout, dtype=self.dtype_policy,
                                      name="attention_dropout")
 
-    def _project_context(self, context):
-        """Keys and values `(B, S, H, d)` of `context`."""
-        return self.key_dense(context), self.value_dense(context)
+    @property
+    def _kv_heads(self):
+        return self.num_key_value_heads or self.num_heads
+
+    def _rotate(self, x, start_index):
+        """Rotary positions on queries or keys `(B, T, H, d)`; the identity without them."""
+        rotary = getattr(self, "rotary_embedding", None)
+        return x if rotary is None else rotary(x, start_index=start_index)
+
+    def _project_context(self, context, start_index=0):
+        """Keys and values `(B, S, num_key_value_heads, d)` of `context`."""
+        return self._rotate(self.key_dense(context), start_index), self.value_dense(context)
 
     def _check_cacheable(self):
         if self._value_dim != self._key_dim:
@@ -172,10 +185,15 @@ class _MultiHeadAttentionBase(keras.layers.Layer):
                 f"value_dim={self._value_dim}."
             )
 
-    def _attend(self, query, keys, values, mask, training, return_attention_scores):
+    def _attend(self, query, keys, values, mask, training, return_attention_scores,
+                start_index=0):
+        groups = self.num_heads // self._kv_heads
+        if groups > 1:  # grouped-query attention: each key/value head serves `groups` heads
+            keys, values = ops.repeat(keys, groups, axis=2), ops.repeat(values, groups, axis=2)
         result = scaled_dot_product_attention(
-            self.query_dense(query), keys, values, mask=mask, dropout=self.dropout_layer,
-            training=training, return_weights=return_attention_scores,
+            self._rotate(self.query_dense(query), start_index), keys, values, mask=mask,
+            dropout=self.dropout_layer, training=training,
+            return_weights=return_attention_scores,
         )
         if return_attention_scores:
             attended, scores = result
@@ -206,6 +224,7 @@ class _MultiHeadAttentionBase(keras.layers.Layer):
             bias_regularizer=keras.regularizers.serialize(self.bias_regularizer),
             kernel_constraint=keras.constraints.serialize(self.kernel_constraint),
             bias_constraint=keras.constraints.serialize(self.bias_constraint),
+            num_key_value_heads=self.num_key_value_heads,
         )
         return config
 
@@ -226,6 +245,12 @@ class MultiHeadSelfAttention(_MultiHeadAttentionBase):
         dropout: dropout rate on the attention weights, in [0, 1).
         use_bias: whether the projections have biases.
         causal: if True, position i attends only to positions ≤ i.
+        num_key_value_heads: heads of the keys and values (grouped-query attention): must
+            divide `num_heads`, each key/value head serving `num_heads // num_key_value_heads`
+            query heads; 1 is multi-query attention. None (default): `num_heads`.
+        rotary: apply rotary positions (`RotaryEmbedding`) to the queries and keys; the head
+            size must be even.
+        rotary_max_wavelength, rotary_interleaved: the `RotaryEmbedding`'s arguments.
         kernel_initializer, bias_initializer, kernel_regularizer, bias_regularizer,
             kernel_constraint, bias_constraint: for the four projections.
         **kwargs: base `Layer` arguments (`name`, `dtype`, ...).
@@ -238,10 +263,11 @@ class MultiHeadSelfAttention(_MultiHeadAttentionBase):
         training: whether attention dropout is active.
         return_attention_scores: also return the attention weights `(B, H, T, T)`.
         cache: optional key/value cache for autoregressive decoding (causal layers only), a
-            preallocated tensor `(B, 2, L, num_heads, key_dim)` (keys at `[:, 0]`, values at
-            `[:, 1]`; needs `value_dim == key_dim`). The keys and values of `inputs` are written
+            preallocated tensor `(B, 2, L, num_key_value_heads, key_dim)` (keys at `[:, 0]`,
+            values at `[:, 1]`; needs `value_dim == key_dim`). The keys and values of `inputs` are written
             at positions `cache_update_index … cache_update_index + T - 1`, and the queries
-            attend over the cache, query i seeing keys `0 … cache_update_index + i`.
+            attend over the cache, query i seeing keys `0 … cache_update_index + i`. With
+            rotary positions the cache holds rotated keys.
         cache_update_index: int or scalar int tensor, the position of `inputs[:, 0]`.
         mask: the Keras padding mask `(B, T)` of `inputs`; filled in by Keras. (With a cache
             the keys come from the cache and this mask is not used.)
@@ -258,14 +284,27 @@ class MultiHeadSelfAttention(_MultiHeadAttentionBase):
     """
 
     def __init__(self, num_heads, key_dim=None, value_dim=None, dropout=0.0, use_bias=True,
-                 causal=False, kernel_initializer="glorot_uniform", **kwargs):
+                 causal=False, kernel_initializer="glorot_uniform", rotary=False,
+                 rotary_max_wavelength=10000.0, rotary_interleaved=False, **kwargs):
         super().__init__(num_heads, key_dim=key_dim, value_dim=value_dim, dropout=dropout,
                          use_bias=use_bias, kernel_initializer=kernel_initializer, **kwargs)
         self.causal = bool(causal)
+        self.rotary = bool(rotary)
+        self.rotary_max_wavelength = float(rotary_max_wavelength)
+        self.rotary_interleaved = bool(rotary_interleaved)
+        if self.rotary:  # validates the wavelength now
+            RotaryEmbedding(self.rotary_max_wavelength, self.rotary_interleaved)
 
     def build(self, input_shape):
         check_rank(self, "inputs", input_shape, 3)
         self._build_projections(input_shape, input_shape)
+        if self.rotary:
+            if self._key_dim % 2:
+                raise ValueError(f"{self.name}: rotary positions need an even head size; "
+                                 f"received key_dim={self._key_dim}.")
+            self.rotary_embedding = RotaryEmbedding(
+                self.rotary_max_wavelength, self.rotary_interleaved, dtype=self.dtype_policy,
+                name="rotary_embedding")
 
     def call(self, inputs, attention_mask=None, training=None, return_attention_scores=False,
              cache=None, cache_update_index=None, mask=None):
@@ -289,16 +328,17 @@ class MultiHeadSelfAttention(_MultiHeadAttentionBase):
         if cache_update_index is None:
             raise ValueError(f"{self.name}: `cache_update_index` is required with `cache`.")
         self._check_cacheable()
-        keys, values = self._project_context(inputs)
-        update = ops.cast(ops.stack([keys, values], axis=1), cache.dtype)
         index = ops.cast(cache_update_index, "int32")
+        keys, values = self._project_context(inputs, start_index=index)
+        update = ops.cast(ops.stack([keys, values], axis=1), cache.dtype)
         zero = ops.zeros((), "int32")
         cache = ops.slice_update(cache, (zero, zero, index, zero, zero), update)
         keys, values = cache[:, 0], cache[:, 1]
         # Bottom-right over the filled part: query i (at position index + i) sees keys 0 … index + i.
         merged = masks_lib.merge_masks(inputs, keys, attention_mask=attention_mask, causal=True,
                                        causal_offset=index)
-        result = self._attend(inputs, keys, values, merged, training, return_attention_scores)
+        result = self._attend(inputs, keys, values, merged, training, return_attention_scores,
+                              start_index=index)
         if return_attention_scores:
             return result[0], result[1], cache
         return result, cache
@@ -313,7 +353,12 @@ class MultiHeadSelfAttention(_MultiHeadAttentionBase):
         return (*spec, cache_spec) if return_attention_scores else (spec, cache_spec)
 
     def get_config(self):
-        return super().get_config() | {"causal": self.causal}
+        return super().get_config() | {
+            "causal": self.causal,
+            "rotary": self.rotary,
+            "rotary_max_wavelength": self.rotary_max_wavelength,
+            "rotary_interleaved": self.rotary_interleaved,
+        }
 
 
 @_SERIALIZABLE
@@ -325,8 +370,9 @@ class CrossAttention(_MultiHeadAttentionBase):
     length S; they may differ, and so may their widths. The output has the width of `query`.
 
     Args:
-        num_heads, key_dim, value_dim, dropout, use_bias, kernel_initializer, ...: as in
-            `MultiHeadSelfAttention` (`d_model` is the width of `query`).
+        num_heads, key_dim, value_dim, dropout, use_bias, num_key_value_heads,
+            kernel_initializer, ...: as in `MultiHeadSelfAttention` (`d_model` is the width of
+            `query`). Rotary positions are for self-attention only.
 
     Call arguments:
         query: `(B, T, d_model)`. Its Keras mask is propagated to the output.
@@ -360,7 +406,7 @@ class CrossAttention(_MultiHeadAttentionBase):
         self._build_projections(query_shape, context_shape)
 
     def compute_context_cache(self, context):
-        """Keys and values of `context`, computed once: `(B, 2, S, num_heads, key_dim)`.
+        """Keys and values of `context`, computed once: `(B, 2, S, num_key_value_heads, key_dim)`.
 
         Pass the result as `context_cache` at every decoding step instead of `context`."""
         check_rank(self, "context", context.shape, 3)

@@ -4,18 +4,22 @@
 Each sublayer (self-attention, cross-attention, feed-forward) is wrapped in a residual
 connection and a layer normalization: post-LN by default, `LayerNorm(x + Dropout(sublayer(x)))`
 as in the paper and the seeds; with `norm_first=True`, pre-LN, `x + Dropout(sublayer(LayerNorm(x)))`.
+The decoder-only and LLaMA-style variants are options: a decoder block without cross-attention,
+RMSNorm, a gated feed-forward, rotary positions and grouped-query attention.
 """
 
 import keras
 
 from keras_tfm import masks as masks_lib
-from keras_tfm._checks import check_dropout, check_positive_int, check_rank, check_same_batch
-from keras_tfm._checks import with_quantized_dtypes
+from keras_tfm._checks import check_dropout, check_key_value_heads, check_positive_int
+from keras_tfm._checks import check_rank, check_same_batch, with_quantized_dtypes
 from keras_tfm.attention import CrossAttention, MultiHeadSelfAttention
 from keras_tfm.dropout import Dropout
 from keras_tfm.feedforward import FeedForward
 
 _SERIALIZABLE = keras.saving.register_keras_serializable(package="keras_tfm")
+
+NORMALIZATIONS = ("layer_norm", "rms_norm")
 
 
 class _TransformerBlockBase(keras.layers.Layer):
@@ -33,10 +37,27 @@ class _TransformerBlockBase(keras.layers.Layer):
         layer_norm_epsilon=1e-5,
         kernel_initializer="glorot_uniform",
         bias_initializer="zeros",
+        num_key_value_heads=None,
+        rotary=False,
+        rotary_max_wavelength=10000.0,
+        rotary_interleaved=False,
+        normalization="layer_norm",
+        gated_feed_forward=False,
+        use_bias=True,
         **kwargs,
     ):
         super().__init__(**kwargs)
         self.num_heads = check_positive_int("num_heads", num_heads)
+        self.num_key_value_heads = check_key_value_heads(num_heads, num_key_value_heads)
+        self.rotary = bool(rotary)
+        self.rotary_max_wavelength = float(rotary_max_wavelength)
+        self.rotary_interleaved = bool(rotary_interleaved)
+        if normalization not in NORMALIZATIONS:
+            raise ValueError(f"`normalization` must be one of {NORMALIZATIONS}; received "
+                             f"normalization={normalization!r}.")
+        self.normalization = normalization
+        self.gated_feed_forward = bool(gated_feed_forward)
+        self.use_bias = bool(use_bias)
         self.ff_dim = check_positive_int("ff_dim", ff_dim)
         self.dropout = check_dropout("dropout", dropout)
         self.attention_dropout = None if attention_dropout is None else check_dropout(
@@ -68,11 +89,22 @@ class _TransformerBlockBase(keras.layers.Layer):
 
     def _attention(self, cls, name, **kwargs):
         return cls(num_heads=self.num_heads, dropout=self._rate(self.attention_dropout),
+                   num_key_value_heads=self.num_key_value_heads, use_bias=self.use_bias,
                    **kwargs, **self._common(name))
 
+    def _self_attention(self, input_shape, causal):
+        self.self_attention = self._attention(
+            MultiHeadSelfAttention, "self_attention", causal=causal, rotary=self.rotary,
+            rotary_max_wavelength=self.rotary_max_wavelength,
+            rotary_interleaved=self.rotary_interleaved)
+        self.self_attention.build(input_shape)
+        self.self_attention_norm = self._norm("self_attention_norm", input_shape)
+        self.self_attention_dropout = self._dropout("self_attention_dropout")
+
     def _norm(self, name, input_shape):
-        norm = keras.layers.LayerNormalization(epsilon=self.layer_norm_epsilon,
-                                               dtype=self.dtype_policy, name=name)
+        cls = (keras.layers.RMSNormalization if self.normalization == "rms_norm"
+               else keras.layers.LayerNormalization)
+        norm = cls(epsilon=self.layer_norm_epsilon, dtype=self.dtype_policy, name=name)
         norm.build(input_shape)
         return norm
 
@@ -82,6 +114,7 @@ class _TransformerBlockBase(keras.layers.Layer):
     def _build_feed_forward(self, input_shape):
         self.feed_forward = FeedForward(self.ff_dim, activation=self.activation,
                                         dropout=self._rate(self.activation_dropout),
+                                        gated=self.gated_feed_forward, use_bias=self.use_bias,
                                         **self._common("feed_forward"))
         self.feed_forward.build(input_shape)
         self.feed_forward_norm = self._norm("feed_forward_norm", input_shape)
@@ -112,6 +145,13 @@ class _TransformerBlockBase(keras.layers.Layer):
             "layer_norm_epsilon": self.layer_norm_epsilon,
             "kernel_initializer": keras.initializers.serialize(self.kernel_initializer),
             "bias_initializer": keras.initializers.serialize(self.bias_initializer),
+            "num_key_value_heads": self.num_key_value_heads,
+            "rotary": self.rotary,
+            "rotary_max_wavelength": self.rotary_max_wavelength,
+            "rotary_interleaved": self.rotary_interleaved,
+            "normalization": self.normalization,
+            "gated_feed_forward": self.gated_feed_forward,
+            "use_bias": self.use_bias,
         }
 
 
@@ -133,6 +173,16 @@ class TransformerEncoderBlock(_TransformerBlockBase):
         norm_first: False for post-LN (the paper), True for pre-LN.
         layer_norm_epsilon: epsilon of the layer normalizations.
         kernel_initializer, bias_initializer: for every dense projection.
+        num_key_value_heads: key/value heads of the attention (grouped-query attention, see
+            `MultiHeadSelfAttention`); None: `num_heads`.
+        rotary, rotary_max_wavelength, rotary_interleaved: rotary positions in the
+            self-attention (see `RotaryEmbedding`).
+        normalization: `"layer_norm"` (`keras.layers.LayerNormalization`, the paper) or
+            `"rms_norm"` (`keras.layers.RMSNormalization`, LLaMA); both use
+            `layer_norm_epsilon`.
+        gated_feed_forward: a gated feed-forward (`FeedForward(gated=True)`: SwiGLU with
+            `activation="silu"`, GeGLU with `"gelu"`).
+        use_bias: whether the attention and feed-forward projections have biases.
         **kwargs: base `Layer` arguments.
 
     Call arguments:
@@ -154,10 +204,7 @@ class TransformerEncoderBlock(_TransformerBlockBase):
     def build(self, input_shape):
         check_rank(self, "inputs", input_shape, 3)
         self._check_width(input_shape)
-        self.self_attention = self._attention(MultiHeadSelfAttention, "self_attention")
-        self.self_attention.build(input_shape)
-        self.self_attention_norm = self._norm("self_attention_norm", input_shape)
-        self.self_attention_dropout = self._dropout("self_attention_dropout")
+        self._self_attention(input_shape, causal=False)
         self._build_feed_forward(input_shape)
 
     def call(self, inputs, attention_mask=None, training=None, mask=None):
@@ -179,7 +226,9 @@ class TransformerDecoderBlock(_TransformerBlockBase):
 
     The cross-attention takes its queries from the decoder and its keys and values from
     `encoder_outputs` ("encoder-decoder attention"). Source length S and target length T may
-    differ; the widths of `inputs` and `encoder_outputs` must be equal.
+    differ; the widths of `inputs` and `encoder_outputs` must be equal. A block first called
+    (built) without `encoder_outputs` has no cross-attention: the block of a decoder-only
+    model (causal self-attention → feed-forward), as keras_hub's `TransformerDecoder`.
 
     Args:
         As `TransformerEncoderBlock`.
@@ -188,13 +237,14 @@ class TransformerDecoderBlock(_TransformerBlockBase):
         inputs: `(B, T, d_model)`, the decoder stream. Its Keras mask pads the self-attention
             keys and is propagated to the output.
         encoder_outputs: `(B, S, d_model)`. Its Keras mask pads the cross-attention keys.
+            Leave it out for a decoder-only block.
         self_attention_mask: optional bool `(B, T, T)` or `(T, T)`, ANDed with the causal mask.
         cross_attention_mask: optional bool `(B, T, S)` or `(T, S)`.
         training: whether dropout is active.
         return_attention_scores: also return the self- and cross-attention weights,
             `(B, H, T, T)` and `(B, H, T, S)`.
         self_attention_cache: key/value cache of the self-attention for cached decoding,
-            `(B, 2, L, num_heads, key_dim)`; see `MultiHeadSelfAttention`.
+            `(B, 2, L, num_key_value_heads, key_dim)`; see `MultiHeadSelfAttention`.
         self_attention_cache_update_index: position of `inputs[:, 0]` in the cache.
         cross_attention_cache: `block.cross_attention.compute_context_cache(encoder_outputs)`,
             computed once per source batch and used instead of `encoder_outputs` (then pass
@@ -203,31 +253,30 @@ class TransformerDecoderBlock(_TransformerBlockBase):
 
     Returns:
         `(B, T, d_model)`; `(output, self_scores, cross_scores)` with
-        `return_attention_scores`; `(output, updated_self_attention_cache)` with a cache.
+        `return_attention_scores` (`(output, self_scores)` without cross-attention);
+        `(output, updated_self_attention_cache)` with a cache.
 
     Example:
 
     >>> block = TransformerDecoderBlock(num_heads=2, ff_dim=32)
     >>> block(keras.random.normal((2, 4, 8)), keras.random.normal((2, 7, 8))).shape
     (2, 4, 8)
+    >>> TransformerDecoderBlock(num_heads=2, ff_dim=32)(keras.random.normal((2, 4, 8))).shape
+    (2, 4, 8)
     """
 
     def build(self, inputs_shape, encoder_outputs_shape=None):
         check_rank(self, "inputs", inputs_shape, 3)
-        if encoder_outputs_shape is None:
-            encoder_outputs_shape = inputs_shape
-        check_rank(self, "encoder_outputs", encoder_outputs_shape, 3)
-        self._check_matching(inputs_shape, encoder_outputs_shape)
         self._check_width(inputs_shape)
-        self.self_attention = self._attention(MultiHeadSelfAttention, "self_attention",
-                                              causal=True)
-        self.self_attention.build(inputs_shape)
-        self.self_attention_norm = self._norm("self_attention_norm", inputs_shape)
-        self.self_attention_dropout = self._dropout("self_attention_dropout")
-        self.cross_attention = self._attention(CrossAttention, "cross_attention")
-        self.cross_attention.build(inputs_shape, encoder_outputs_shape)
-        self.cross_attention_norm = self._norm("cross_attention_norm", inputs_shape)
-        self.cross_attention_dropout = self._dropout("cross_attention_dropout")
+        self._self_attention(inputs_shape, causal=True)
+        self.cross_attention = None
+        if encoder_outputs_shape is not None:
+            check_rank(self, "encoder_outputs", encoder_outputs_shape, 3)
+            self._check_matching(inputs_shape, encoder_outputs_shape)
+            self.cross_attention = self._attention(CrossAttention, "cross_attention")
+            self.cross_attention.build(inputs_shape, encoder_outputs_shape)
+            self.cross_attention_norm = self._norm("cross_attention_norm", inputs_shape)
+            self.cross_attention_dropout = self._dropout("cross_attention_dropout")
         self._build_feed_forward(inputs_shape)
 
     def _check_matching(self, inputs_shape, encoder_outputs_shape):
@@ -245,10 +294,15 @@ class TransformerDecoderBlock(_TransformerBlockBase):
              self_attention_cache=None, self_attention_cache_update_index=None,
              cross_attention_cache=None, inputs_mask=None, encoder_outputs_mask=None):
         check_rank(self, "inputs", inputs.shape, 3)
+        has_context = encoder_outputs is not None or cross_attention_cache is not None
+        if self.cross_attention is None and has_context:
+            raise ValueError(f"{self.name}: this block was built without `encoder_outputs` "
+                             "(decoder-only: no cross-attention), so it takes no "
+                             "`encoder_outputs` or `cross_attention_cache`.")
         if encoder_outputs is not None:
             check_rank(self, "encoder_outputs", encoder_outputs.shape, 3)
             self._check_matching(inputs.shape, encoder_outputs.shape)
-        elif cross_attention_cache is None:
+        elif self.cross_attention is not None and cross_attention_cache is None:
             raise ValueError(f"{self.name}: pass `encoder_outputs` or `cross_attention_cache`.")
         if self_attention_cache is not None and return_attention_scores:
             raise ValueError(f"{self.name}: `return_attention_scores` is not available with a "
@@ -278,12 +332,15 @@ class TransformerDecoderBlock(_TransformerBlockBase):
 
         x = self._residual(inputs, self_attention, self.self_attention_norm,
                            self.self_attention_dropout, training)
-        x = self._residual(x, cross_attention, self.cross_attention_norm,
-                           self.cross_attention_dropout, training)
+        if self.cross_attention is not None:
+            x = self._residual(x, cross_attention, self.cross_attention_norm,
+                               self.cross_attention_dropout, training)
         x = self._feed_forward_residual(x, training)
         if self_attention_cache is not None:
             return x, scores["cache"]
         if return_attention_scores:
+            if self.cross_attention is None:
+                return x, scores["self"]
             return x, scores["self"], scores["cross"]
         return x
 
@@ -296,11 +353,13 @@ class TransformerDecoderBlock(_TransformerBlockBase):
                                              dtype=self_attention_cache.dtype)
         if return_attention_scores:
             batch, length = inputs.shape[0], inputs.shape[1]
+            self_scores = keras.KerasTensor((batch, self.num_heads, length, length),
+                                            dtype=self.compute_dtype)
+            if encoder_outputs is None and cross_attention_cache is None:
+                return output, self_scores
             source_length = (encoder_outputs.shape[1] if encoder_outputs is not None
                              else cross_attention_cache.shape[2])
-            return (output,
-                    keras.KerasTensor((batch, self.num_heads, length, length),
-                                      dtype=self.compute_dtype),
+            return (output, self_scores,
                     keras.KerasTensor((batch, self.num_heads, length, source_length),
                                       dtype=self.compute_dtype))
         return output

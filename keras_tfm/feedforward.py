@@ -13,9 +13,14 @@ _SERIALIZABLE = keras.saving.register_keras_serializable(package="keras_tfm")
 class FeedForward(keras.layers.Layer):
     """`FFN(x) = W₂ σ(W₁x + b₁) + b₂`, the same weights at every position.
 
+    With `gated=True`, the gated linear unit of Shazeer (2020): `FFN(x) = W₂ (σ(W₁x) ⊙ Vx)`,
+    SwiGLU with `activation="silu"` (LLaMA), GeGLU with `"gelu"`. `W₁` is `intermediate_dense`
+    (LLaMA's `gate_proj`), `V` is `up_dense` (`up_proj`), `W₂` is `output_dense` (`down_proj`).
+
     Args:
         ff_dim: width of the hidden layer (`W₁` maps `d_model → ff_dim`).
         activation: `σ`, ReLU in the paper.
+        gated: multiply the activated hidden layer by a second, linear one (`V`).
         dropout: dropout rate on the hidden activations, in [0, 1).
         use_bias: whether both layers have biases.
         kernel_initializer, bias_initializer: for both dense layers.
@@ -32,13 +37,16 @@ class FeedForward(keras.layers.Layer):
 
     >>> FeedForward(ff_dim=32)(keras.random.normal((2, 5, 8))).shape
     (2, 5, 8)
+    >>> swiglu = FeedForward(ff_dim=32, activation="silu", gated=True, use_bias=False)
     """
 
     def __init__(self, ff_dim, activation="relu", dropout=0.0, use_bias=True,
-                 kernel_initializer="glorot_uniform", bias_initializer="zeros", **kwargs):
+                 kernel_initializer="glorot_uniform", bias_initializer="zeros", gated=False,
+                 **kwargs):
         super().__init__(**kwargs)
         self.ff_dim = check_positive_int("ff_dim", ff_dim)
         self.activation = keras.activations.get(activation)
+        self.gated = bool(gated)
         self.dropout = check_dropout("dropout", dropout)
         self.use_bias = use_bias
         self.kernel_initializer = keras.initializers.get(kernel_initializer)
@@ -58,12 +66,17 @@ class FeedForward(keras.layers.Layer):
         d_model = input_shape[-1]
         self.intermediate_dense = self._dense(self.ff_dim, "intermediate_dense", self.activation)
         self.intermediate_dense.build(input_shape)
+        if self.gated:
+            self.up_dense = self._dense(self.ff_dim, "up_dense")
+            self.up_dense.build(input_shape)
         self.dropout_layer = Dropout(self.dropout, dtype=self.dtype_policy, name="dropout")
         self.output_dense = self._dense(d_model, "output_dense")
         self.output_dense.build(tuple(input_shape[:-1]) + (self.ff_dim,))
 
     def call(self, inputs, training=None):
         hidden = self.intermediate_dense(inputs)
+        if self.gated:
+            hidden = hidden * self.up_dense(inputs)
         hidden = self.dropout_layer(hidden, training=training)
         return self.output_dense(hidden)
 
@@ -74,6 +87,7 @@ class FeedForward(keras.layers.Layer):
         return with_quantized_dtypes(self, super().get_config()) | {
             "ff_dim": self.ff_dim,
             "activation": keras.activations.serialize(self.activation),
+            "gated": self.gated,
             "dropout": self.dropout,
             "use_bias": self.use_bias,
             "kernel_initializer": keras.initializers.serialize(self.kernel_initializer),

@@ -1,10 +1,12 @@
-"""Translation with a key/value cache: greedy and beam search.
+"""Generation with a key/value cache: greedy search, beam search and sampling, for translation
+(encoder-decoder) and for language models (decoder-only).
 
 Training sees the whole target at once (masked attention, seed 000); inference generates one
 token at a time and feeds it back. Recomputing the decoder over the whole prefix at every step
 makes decoding quadratic; here each decoder block keeps a preallocated key/value cache of its
-self-attention, the cross-attention keys and values are computed once per source batch, and each
-step runs the decoder on one new token only.
+self-attention, the cross-attention keys and values are computed once per source batch (a
+language model's prompt is prefilled in one pass), and each step runs the decoder on one new
+token only.
 """
 
 import dataclasses
@@ -18,6 +20,7 @@ from keras_tfm import masks as masks_lib
 from keras_tfm._checks import check_token_ids
 from keras_tfm.blocks import TransformerDecoderBlock, TransformerEncoderBlock
 from keras_tfm.embedding import TokenAndPositionEmbedding
+from keras_tfm.models import LanguageModel
 
 PAD_ID = 0  # the default padding id, for models that do not name their own
 AUTO = "auto"  # a special id taken from the model (`model.special_ids`)
@@ -161,7 +164,7 @@ def _log_probs(logits, pad_id):
     return ops.log_softmax(ops.where(is_pad, _NEG_INF, logits), axis=-1)
 
 
-def _greedy_search(parts, source, start_id, end_id, max_length, pad_id=PAD_ID):
+def _greedy_search(parts, source, start_id, end_id, max_length, pad_id=PAD_ID, choose=None):
     batch = ops.shape(source)[0]
     encoder_outputs, source_mask = parts.encode(source)
     cross = parts.cross_attention_caches(encoder_outputs)
@@ -178,7 +181,7 @@ def _greedy_search(parts, source, start_id, end_id, max_length, pad_id=PAD_ID):
         current = ops.slice(tokens, (0, i), (batch, 1))
         logits, caches = parts.decode_step(current, i, caches, cross, source_mask)
         log_probs = _log_probs(logits, pad_id)
-        chosen = ops.cast(ops.argmax(log_probs, axis=-1), "int32")
+        chosen = (choose or _argmax)(logits, log_probs, i)
         chosen_log_prob = ops.take_along_axis(log_probs, chosen[:, None], axis=-1)[:, 0]
         scores = scores + ops.where(finished, 0.0, chosen_log_prob)
         chosen = ops.where(finished, pad_id, chosen)
@@ -285,7 +288,7 @@ _COMPILED = weakref.WeakKeyDictionary()
 
 
 def _compile(model, search):
-    """Compile `search(source)` once per model and settings, where the backend allows it.
+    """Compile `search(*inputs)` once per model and settings, where the backend allows it.
 
     The one backend-specific piece of generation: JAX jit-compiles with the model's variables
     passed in (a StatelessScope), so later weight updates are seen without recompiling;
@@ -299,11 +302,11 @@ def _compile(model, search):
         variables = list(model.variables)
 
         @jax.jit
-        def run(values, source):
+        def run(values, *inputs):
             with keras.StatelessScope(state_mapping=list(zip(variables, values))):
-                return search(source)
+                return search(*inputs)
 
-        return lambda source: run([v.value for v in variables], source)
+        return lambda *inputs: run([v.value for v in variables], *inputs)
     if backend == "tensorflow":
         import tensorflow as tf
 
@@ -311,26 +314,32 @@ def _compile(model, search):
     if backend == "torch":
         import torch
 
-        def run(source):
+        def run(*inputs):
             with torch.no_grad():
-                return search(source)
+                return search(*inputs)
 
         return run
     return search
 
 
-def _resolve_special_ids(model, vocab, start_id, end_id, pad_id):
+def _resolve_special_ids(model, vocab, start_id, end_id, pad_id, needs_start=True):
     """The start, end and padding ids of one `generate` call: explicit arguments win; "auto"
-    takes the model's own (`model.special_ids`; padding defaults to 0)."""
+    takes the model's own (`model.special_ids`; padding defaults to 0). A language model
+    (`needs_start=False`) continues its prompts and takes no start id."""
     own = getattr(model, "special_ids", {})
     if pad_id == AUTO:
         pad_id = own.get("pad_id", PAD_ID)
-    for name, value, hint in (("start_id", start_id, "start_id=..."),
-                              ("end_id", end_id, "end_id=..., or end_id=None to decode "
-                                                 "max_length tokens")):
+    asked = (("start_id", start_id, "start_id=..."),) if needs_start else ()
+    for name, value, hint in asked + (("end_id", end_id, "end_id=..., or end_id=None to "
+                                                         "decode max_length tokens"),):
         if value == AUTO and name not in own:
             raise ValueError(f"`{name}` was not given and model {model.name!r} has no {name} of "
                              f"its own (model.special_ids={own}); pass {hint}.")
+    if not needs_start:
+        if start_id not in (AUTO, None):
+            raise ValueError(f"A language model continues its prompts and takes no `start_id` "
+                             f"(put a start token in the prompts); received start_id={start_id!r}.")
+        start_id = own.get("start_id", pad_id)  # unused; checked as a valid id below
     start_id = own["start_id"] if start_id == AUTO else start_id
     end_id = own["end_id"] if end_id == AUTO else end_id
     checks = [("start_id", start_id), ("pad_id", pad_id)]
@@ -345,7 +354,7 @@ def _resolve_special_ids(model, vocab, start_id, end_id, pad_id):
         raise ValueError(f"`end_id` must not be the padding id {pad_id} (padding is never "
                          f"generated); received end_id={end_id!r}. Pass end_id=None to decode "
                          "exactly max_length tokens.")
-    if start_id == pad_id and own.get("start_id") != pad_id:
+    if needs_start and start_id == pad_id and own.get("start_id") != pad_id:
         raise ValueError(f"`start_id` must not be the padding id {pad_id}, which model "
                          f"{model.name!r} masks; received start_id={start_id!r}. (A model built "
                          "with start_id == pad_id, as from_marian does, attends to it.)")
@@ -381,14 +390,18 @@ def _source_array(source_tokens, vocab, pad_id):
 
 def generate(model, source_tokens, start_id=AUTO, end_id=AUTO, max_length=None, method="greedy",
              beam_size=4, length_penalty=0.6, return_scores=False, batch_size=None,
-             verbose=False, pad_id=AUTO):
-    """Translate source token ids with a key/value-cached greedy or beam search.
+             verbose=False, pad_id=AUTO, temperature=1.0, top_k=None, top_p=1.0, seed=None):
+    """Translate source token ids, or continue prompts, with a key/value-cached greedy search,
+    beam search or sampling.
 
     Works on models from `build_transformer` and `from_marian`, and on models built by hand from
-    the keras_tfm blocks as in docs/design.md (see `Seq2SeqParts` for how the layers are found).
+    the keras_tfm blocks as in docs/design.md (see `Seq2SeqParts` for how the layers are found);
+    and on language models from `build_language_model` (then `source_tokens` are the prompts,
+    and the result holds the new tokens only; see
+    `keras_tfm.generation.generate_language_model`).
 
     Args:
-        model: the encoder-decoder `keras.Model`.
+        model: the encoder-decoder `keras.Model`, or a `LanguageModel`.
         source_tokens: int `(B, S)`, right-padded with the padding id; a list of sequences of
             different lengths is right-padded for you. Checked before anything runs: ids in
             the source vocabulary (`check_token_ids`), no padding before a real token.
@@ -399,7 +412,8 @@ def generate(model, source_tokens, start_id=AUTO, end_id=AUTO, max_length=None, 
             differ from the padding id.
         max_length: at most this many new tokens (`<EOS>` included); with learned positions,
             at most the decoder's `max_length`.
-        method: `"greedy"` or `"beam"`.
+        method: `"greedy"`, `"beam"` or `"sample"` (a draw from the softmax of
+            `logits / temperature`, restricted to `top_k` and `top_p`, at every step).
         beam_size: beams per source for beam search; `beam_size=1` runs greedy search.
             `2 * beam_size` must not exceed the number of non-padding target tokens.
         length_penalty: α ≥ 0 of the penalty `((5 + len) / 6)^α` that beam search divides the
@@ -410,23 +424,34 @@ def generate(model, source_tokens, start_id=AUTO, end_id=AUTO, max_length=None, 
         verbose: show a progress bar over the chunks.
         pad_id: the padding id of the sources and of the output; never generated. "auto" takes
             the model's own (0 for a model without one).
+        temperature: > 0, divides the logits before sampling.
+        top_k: None, or sample among the `top_k` most likely tokens only.
+        top_p: in (0, 1]: sample in the nucleus, the smallest set of most likely tokens whose
+            probability (after `top_k`) reaches `top_p`; 1 keeps every token.
+        seed: int seed of the draws (NumPy uniforms passed to the compiled search: the same
+            seed gives the same tokens on every call); None draws a fresh seed.
 
     Returns:
         NumPy int32 tokens `(B, L)` with `L ≤ max_length` (the longest sequence; no `<SOS>`,
         `<EOS>` kept, padding after it), and with `return_scores` the float32
-        log-probabilities `(B,)`.
+        log-probabilities `(B,)` (under the model's distribution, also when sampling).
 
     Example:
 
     >>> tokens = generate(model, source, start_id=1, end_id=2, max_length=30)  # doctest: +SKIP
     """
+    sampling = _sampling_options(method, temperature, top_k, top_p)
+    _check_lengths(max_length, batch_size)
+    if isinstance(model, LanguageModel):
+        return generate_language_model(model, source_tokens, max_length, end_id=end_id,
+                                       pad_id=pad_id, start_id=start_id, method=method,
+                                       return_scores=return_scores, batch_size=batch_size,
+                                       verbose=verbose, seed=seed, **sampling)
     parts = Seq2SeqParts.from_model(model)
     vocab = parts.target_vocab_size
     start_id, end_id, pad_id = _resolve_special_ids(model, vocab, start_id, end_id, pad_id)
     if pad_id != parts.pad_id:
         parts = dataclasses.replace(parts, pad_id=pad_id)
-    if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1:
-        raise ValueError(f"`max_length` must be a positive integer; received {max_length!r}.")
     embedding = parts.decoder_embedding
     if embedding.positional == "learned" and max_length > embedding.max_length:
         raise ValueError(
@@ -435,12 +460,6 @@ def generate(model, source_tokens, start_id=AUTO, end_id=AUTO, max_length=None, 
         )
     if not length_penalty >= 0:
         raise ValueError(f"`length_penalty` must be >= 0; received {length_penalty!r}.")
-    if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(
-            batch_size, int) or batch_size < 1):
-        raise ValueError(f"`batch_size` must be a positive integer or None; received "
-                         f"{batch_size!r}.")
-    if method not in ("greedy", "beam"):
-        raise ValueError(f'`method` must be "greedy" or "beam"; received {method!r}.')
     if isinstance(beam_size, bool) or not isinstance(beam_size, int) or beam_size < 1:
         raise ValueError(f"`beam_size` must be a positive integer; received {beam_size!r}.")
     if method == "beam" and 2 * beam_size > vocab - 1:
@@ -451,7 +470,15 @@ def generate(model, source_tokens, start_id=AUTO, end_id=AUTO, max_length=None, 
     source_tokens = _source_array(source_tokens, parts.encoder_embedding.vocab_size, pad_id)
     stop_id = _NO_END if end_id is None else end_id
 
-    if method == "greedy" or beam_size == 1:  # one beam is greedy search
+    inputs = [source_tokens]
+    if method == "sample":
+        key = ("sample", start_id, stop_id, pad_id, max_length, tuple(sampling.items()))
+        inputs.append(_uniforms(seed, len(source_tokens), max_length))
+
+        def search(source, uniforms):
+            return _greedy_search(parts, source, start_id, stop_id, max_length, pad_id,
+                                  _chooser(sampling, pad_id, uniforms))
+    elif method == "greedy" or beam_size == 1:  # one beam is greedy search
         key = ("greedy", start_id, stop_id, pad_id, max_length)
 
         def search(source):
@@ -463,17 +490,23 @@ def generate(model, source_tokens, start_id=AUTO, end_id=AUTO, max_length=None, 
             return _beam_search(parts, source, start_id, stop_id, max_length, beam_size,
                                 float(length_penalty), pad_id)
 
+    return _run_in_chunks(model, key, search, inputs, batch_size, verbose, pad_id, return_scores)
+
+
+def _run_in_chunks(model, key, search, inputs, batch_size, verbose, pad_id, return_scores):
+    """Compile `search` once per `key`, run it on chunks of the NumPy `inputs` (rows along the
+    first axis) and return the tokens, cut after the longest sequence, and the scores."""
     compiled = _COMPILED.setdefault(model, {})
     if key not in compiled:
         compiled[key] = _compile(model, search)
     run = compiled[key]
 
-    chunk = batch_size or len(source_tokens)
-    starts = range(0, len(source_tokens), chunk)
+    chunk = batch_size or len(inputs[0])
+    starts = range(0, len(inputs[0]), chunk)
     progress = keras.utils.Progbar(len(starts)) if verbose else None
     all_tokens, all_scores = [], []
     for n, start in enumerate(starts):
-        tokens, scores = run(ops.convert_to_tensor(source_tokens[start:start + chunk]))
+        tokens, scores = run(*[ops.convert_to_tensor(x[start:start + chunk]) for x in inputs])
         all_tokens.append(np.asarray(ops.convert_to_numpy(tokens)))
         all_scores.append(np.asarray(ops.convert_to_numpy(scores), "float32"))
         if progress is not None:
@@ -484,3 +517,248 @@ def generate(model, source_tokens, start_id=AUTO, end_id=AUTO, max_length=None, 
     if return_scores:
         return tokens, np.concatenate(all_scores, axis=0)
     return tokens
+
+
+# --- decoder-only language models and sampling ----------------------------------------------------
+
+
+@dataclasses.dataclass
+class LanguageModelParts:
+    """The layers of a `LanguageModel` (from `build_language_model`), found by name.
+
+    `token_embedding`, the additive positions (`position_encoding` / `position_embedding`, None
+    with rotary positions, which live in the attention), the `decoder_block_{i}` layers (no
+    cross-attention), the optional `final_norm` and the `logits` projection.
+    """
+
+    token_embedding: object
+    position: object
+    blocks: list
+    final_norm: object
+    output_projection: object
+    embedding_scale: object
+    pad_id: int = PAD_ID
+
+    @classmethod
+    def from_model(cls, model):
+        if not isinstance(model, LanguageModel):
+            raise ValueError(f"Model {model.name!r} is not a keras_tfm language model (a "
+                             "LanguageModel from build_language_model).")
+        by_name = {layer.name: layer for layer in model.layers}
+        blocks = [layer for layer in model.layers if isinstance(layer, TransformerDecoderBlock)]
+        position = by_name.get("position_encoding", by_name.get("position_embedding"))
+        config = model.get_config()
+        scale = config["d_model"] ** 0.5 if config["scale_embeddings"] else None
+        return cls(by_name["token_embedding"], position, blocks, by_name.get("final_norm"),
+                   by_name["logits"], scale, model.special_ids.get("pad_id", PAD_ID))
+
+    @property
+    def vocab_size(self):
+        return self.token_embedding.input_dim
+
+    def empty_caches(self, batch_size, max_length):
+        return [ops.zeros((batch_size, 2, max_length, block.self_attention._kv_heads,
+                           block.self_attention._key_dim), dtype=block.compute_dtype)
+                for block in self.blocks]
+
+    def forward(self, tokens, index, caches):
+        """Logits `(B, T, V)` (float32) of `tokens (B, T)` at positions `index …`, new caches."""
+        x = self.token_embedding(tokens)
+        if self.embedding_scale is not None:
+            x = x * ops.cast(self.embedding_scale, x.dtype)
+        if self.position is not None:
+            x = self.position(x, start_index=index)
+        new_caches = []
+        for block, cache in zip(self.blocks, caches):
+            x, cache = block(x, self_attention_cache=cache,
+                             self_attention_cache_update_index=index)
+            new_caches.append(cache)
+        if self.final_norm is not None:
+            x = self.final_norm(x)
+        return ops.cast(self.output_projection(x), "float32"), new_caches
+
+
+def _sample(logits, uniform, pad_id, temperature, top_k, top_p):
+    """Draw one token per row from `softmax(logits / temperature)` restricted to the `top_k`
+    most likely tokens and then to the nucleus (the smallest set of tokens whose probability
+    reaches `top_p`, renormalised), by inverse transform of `uniform (B,)` in [0, 1)."""
+    vocab = logits.shape[-1]
+    is_pad = ops.equal(ops.arange(vocab), pad_id)
+    logits = ops.where(is_pad, _NEG_INF, logits / temperature)
+    if top_k == 1:
+        return ops.cast(ops.argmax(logits, axis=-1), "int32")
+    if top_k is not None or top_p < 1.0:
+        logits, order = ops.top_k(logits, min(top_k or vocab, vocab))  # sorted, descending
+    else:
+        order = None
+    probs = ops.softmax(logits, axis=-1)
+    if top_p < 1.0:
+        # keep a token while the probability of the more likely ones is still below top_p
+        before = ops.cumsum(probs, axis=-1) - probs
+        probs = ops.where(before < top_p, probs, 0.0)
+    cdf = ops.cumsum(probs, axis=-1)
+    target = uniform[:, None] * cdf[:, -1:]
+    pick = ops.sum(ops.cast(cdf <= target, "int32"), axis=-1)
+    pick = ops.minimum(pick, ops.shape(probs)[-1] - 1)[:, None]
+    if order is not None:
+        pick = ops.take_along_axis(order, pick, axis=-1)
+    return ops.cast(pick[:, 0], "int32")
+
+
+def _argmax(logits, log_probs, i):
+    """The greedy choice of one step, `(B,)` int32."""
+    return ops.cast(ops.argmax(log_probs, axis=-1), "int32")
+
+
+def _chooser(sampling, pad_id, uniforms):
+    """`choose(logits, log_probs, step) -> (B,) int32`: a draw with the step's column of
+    `uniforms (B, steps)`."""
+
+    def choose(logits, log_probs, i):
+        uniform = ops.slice(uniforms, (0, i), (ops.shape(uniforms)[0], 1))[:, 0]
+        return _sample(logits, uniform, pad_id, **sampling)
+
+    return choose
+
+
+def _language_model_search(parts, prompts, lengths, end_id, max_length, choose=None):
+    """Continue right-padded `prompts (B, P)` of `lengths (B,)` by up to `max_length` tokens.
+
+    The whole prompt is prefilled in one pass; then every row steps through the same positions
+    `i = min(lengths) …` one token at a time, keeping its own prompt token while `i` is inside
+    its prompt: each row's position `i` sees its own tokens `0 … i` only, as if alone.
+    """
+    pad_id = parts.pad_id
+    batch, prompt_length = ops.shape(prompts)[0], prompts.shape[1]
+    total = prompt_length + max_length
+    tokens = ops.concatenate([prompts, ops.full((batch, max_length), pad_id, "int32")], axis=1)
+    caches = parts.empty_caches(batch, total)
+    prefill_logits, caches = parts.forward(prompts, 0, caches)
+    start = ops.min(lengths)
+    logits = ops.take(prefill_logits, start - 1, axis=1)
+    choose = choose or _argmax
+    finished = ops.zeros((batch,), "bool")
+    scores = ops.zeros((batch,), "float32")
+
+    def cond(i, tokens, caches, logits, finished, scores):
+        return ops.logical_and(i < total, ops.logical_not(ops.all(finished)))
+
+    def body(i, tokens, caches, logits, finished, scores):
+        log_probs = _log_probs(logits, pad_id)
+        chosen = choose(logits, log_probs, i)
+        in_prompt = i < lengths
+        new = ops.logical_and(ops.logical_not(in_prompt), ops.logical_not(finished))
+        chosen_log_prob = ops.take_along_axis(log_probs, chosen[:, None], axis=-1)[:, 0]
+        scores = scores + ops.where(new, chosen_log_prob, 0.0)
+        current = ops.slice(tokens, (0, i), (batch, 1))[:, 0]
+        current = ops.where(in_prompt, current, ops.where(finished, pad_id, chosen))
+        finished = ops.logical_or(finished, ops.logical_and(new, ops.equal(chosen, end_id)))
+        finished = ops.logical_or(finished, i + 1 >= lengths + max_length)
+        tokens = ops.slice_update(tokens, (0, i), current[:, None])
+        step_logits, caches = parts.forward(current[:, None], i, caches)
+        return i + 1, tokens, caches, step_logits[:, 0], finished, scores
+
+    state = (start, tokens, caches, logits, finished, scores)
+    _, tokens, _, _, _, scores = ops.while_loop(cond, body, state, maximum_iterations=total)
+    positions = lengths[:, None] + ops.arange(max_length, dtype="int32")[None, :]
+    return ops.take_along_axis(tokens, positions, axis=1), scores
+
+
+def _sampling_options(method, temperature, top_k, top_p):
+    """The checked options of `method="sample"` (a dict for `_sample`); {} for the others."""
+    if method not in ("greedy", "beam", "sample"):
+        raise ValueError(f'`method` must be "greedy", "beam" or "sample"; received {method!r}.')
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not (
+            temperature > 0):
+        raise ValueError(f"`temperature` must be > 0; received temperature={temperature!r}.")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int)
+                              or top_k < 1):
+        raise ValueError(f"`top_k` must be a positive integer or None; received top_k={top_k!r}.")
+    if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
+        raise ValueError(f"`top_p` must be in (0, 1]; received top_p={top_p!r}.")
+    if method != "sample":
+        return {}
+    return {"temperature": float(temperature), "top_k": top_k, "top_p": float(top_p)}
+
+
+def _check_lengths(max_length, batch_size):
+    if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1:
+        raise ValueError(f"`max_length` must be a positive integer; received {max_length!r}.")
+    if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(
+            batch_size, int) or batch_size < 1):
+        raise ValueError(f"`batch_size` must be a positive integer or None; received "
+                         f"{batch_size!r}.")
+
+
+def _uniforms(seed, batch, steps):
+    """float32 uniforms in [0, 1) `(batch, steps)` from a NumPy generator: the draws of
+    sampling are inputs of the compiled search, the same for a seed on every backend."""
+    return np.random.default_rng(seed).random((batch, steps), dtype=np.float32)
+
+
+def generate_language_model(model, prompts, max_length, end_id=AUTO, pad_id=AUTO,
+                            start_id=AUTO, method="greedy", return_scores=False,
+                            batch_size=None, verbose=False, seed=None, temperature=1.0,
+                            top_k=None, top_p=1.0):
+    """Continue prompts with a `LanguageModel`; what `generate(lm, prompts, ...)` runs.
+
+    The prompts are prefilled in one pass into each block's key/value cache, then each step
+    feeds one token. Prompts of different lengths come right-padded; each row continues from
+    its own last real token exactly as it would alone (positions and masks per row: every row
+    steps through the same positions, keeping its prompt tokens while inside its prompt).
+
+    Args:
+        model: a `LanguageModel` (`build_language_model`).
+        prompts: int `(B, P)`, right-padded with the padding id (or a list of sequences of
+            different lengths); every prompt holds at least one real token.
+        max_length: at most this many new tokens per row (`<EOS>` included); with learned
+            positions, the prompt plus `max_length` must fit the table.
+        end_id: a row stops once it produced it; "auto": the model's own; None: never.
+        pad_id: the padding id of the prompts and the output; "auto": the model's own.
+        start_id: not used (a prompt holds its own start token); "auto" or None.
+        method: `"greedy"` or `"sample"`.
+        return_scores, batch_size, verbose, seed, temperature, top_k, top_p: as in `generate`.
+
+    Returns:
+        NumPy int32 new tokens `(B, L)`, `L ≤ max_length` (padding after `<EOS>`), and with
+        `return_scores` their float32 log-probabilities `(B,)`.
+
+    Example:
+
+    >>> generate(lm, [[5, 9, 4], [7]], max_length=10, end_id=2)  # doctest: +SKIP
+    """
+    sampling = _sampling_options(method, temperature, top_k, top_p)
+    if method == "beam":
+        raise ValueError('A language model decodes with method="greedy" or "sample"; received '
+                         'method="beam".')
+    _check_lengths(max_length, batch_size)
+    parts = LanguageModelParts.from_model(model)
+    _, end_id, pad_id = _resolve_special_ids(model, parts.vocab_size, start_id, end_id, pad_id,
+                                             needs_start=False)
+    parts = dataclasses.replace(parts, pad_id=pad_id)
+    prompts = _source_array(prompts, parts.vocab_size, pad_id)
+    lengths = (prompts != pad_id).sum(axis=1).astype("int32")
+    if (lengths == 0).any():
+        row = int(np.flatnonzero(lengths == 0)[0])
+        raise ValueError(f"Every prompt needs at least one real token; prompt {row} is only "
+                         f"padding (id {pad_id}).")
+    prompts = prompts[:, :lengths.max()]
+    table = getattr(parts.position, "sequence_length", None)
+    if table is not None and prompts.shape[1] + max_length > table:
+        raise ValueError(
+            f"The longest prompt ({prompts.shape[1]} tokens) plus max_length={max_length} "
+            f"exceeds the learned position table (max_length={table}) of model {model.name!r}.")
+    stop_id = _NO_END if end_id is None else end_id
+    inputs = [prompts, lengths]
+    key = ("language_model", method, stop_id, pad_id, max_length, tuple(sampling.items()))
+    if method == "sample":
+        inputs.append(_uniforms(seed, len(prompts), prompts.shape[1] + max_length))
+
+        def search(prompts, lengths, uniforms):
+            return _language_model_search(parts, prompts, lengths, stop_id, max_length,
+                                          _chooser(sampling, pad_id, uniforms))
+    else:
+        def search(prompts, lengths):
+            return _language_model_search(parts, prompts, lengths, stop_id, max_length)
+
+    return _run_in_chunks(model, key, search, inputs, batch_size, verbose, pad_id, return_scores)

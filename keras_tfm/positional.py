@@ -166,3 +166,79 @@ class PositionEmbedding(keras.layers.Layer):
             "sequence_length": self.sequence_length,
             "initializer": keras.initializers.serialize(self.initializer),
         }
+
+
+@_SERIALIZABLE
+class RotaryEmbedding(keras.layers.Layer):
+    """Rotary position embedding (RoPE) of queries or keys, per head.
+
+    Each pair of channels `(a, b)` of a head is rotated by the angle
+    `position · max_wavelength^(-2i/d)` (pair `i`, head size `d`):
+    `(a cos θ − b sin θ, b cos θ + a sin θ)`. The score of a query rotated at position m and a
+    key rotated at position n then depends on the positions only through m − n. By default the
+    pairs are the two halves of the head (channel i with channel i + d/2: GPT-NeoX, LLaMA,
+    keras_hub); `interleaved=True` pairs neighbouring channels (2i, 2i + 1: RoFormer, GPT-J).
+    Angles are computed in float32 and the result is cast to the input's dtype. No weights.
+
+    Args:
+        max_wavelength: the base of the angles (10000 in RoFormer and LLaMA).
+        interleaved: pair neighbouring channels instead of the two halves.
+        **kwargs: base `Layer` arguments.
+
+    Call arguments:
+        inputs: `(B, T, H, d)`, queries or keys split into heads; `d` must be even.
+        start_index: position of `inputs[:, 0]` (int or scalar int tensor), e.g. the cache
+            index in cached decoding. Default 0.
+
+    Returns:
+        The rotated `(B, T, H, d)`.
+
+    Example:
+
+    >>> RotaryEmbedding()(np.ones((1, 3, 2, 4)), start_index=5).shape  # doctest: +SKIP
+    (1, 3, 2, 4)
+    """
+
+    def __init__(self, max_wavelength=10000.0, interleaved=False, **kwargs):
+        super().__init__(**kwargs)
+        if not max_wavelength > 0:
+            raise ValueError(f"`max_wavelength` must be positive; received {max_wavelength!r}.")
+        self.max_wavelength = float(max_wavelength)
+        self.interleaved = bool(interleaved)
+        self.built = True
+
+    def _check(self, shape):
+        if len(shape) != 4:
+            raise ValueError(f"{self.name}: `inputs` must have rank 4 (batch, length, heads, "
+                             f"head size); received shape {tuple(shape)}.")
+        if shape[-1] is None or shape[-1] % 2:
+            raise ValueError(f"{self.name}: rotary positions rotate pairs of channels, so the "
+                             f"head size must be even; received head size {shape[-1]}.")
+
+    def call(self, inputs, start_index=0):
+        self._check(inputs.shape)
+        width = inputs.shape[-1]
+        half = width // 2
+        shape = ops.shape(inputs)
+        # the same angles as the sinusoidal encoding of width d: sines, then cosines
+        table = sinusoidal_encoding(shape[1], width, start_index, self.max_wavelength,
+                                    layout="halves")[None, :, None, :]  # (1, T, 1, d)
+        sin, cos = table[..., :half], table[..., half:]
+        x = ops.cast(inputs, "float32")
+        if self.interleaved:
+            pairs = ops.reshape(x, (shape[0], shape[1], shape[2], half, 2))
+            first, second = pairs[..., 0], pairs[..., 1]
+            rotated = ops.stack([first * cos - second * sin, second * cos + first * sin], axis=-1)
+            rotated = ops.reshape(rotated, (shape[0], shape[1], shape[2], width))
+        else:
+            first, second = x[..., :half], x[..., half:]
+            rotated = ops.concatenate([first * cos - second * sin, second * cos + first * sin],
+                                      axis=-1)
+        return ops.cast(rotated, inputs.dtype)
+
+    def compute_output_shape(self, input_shape):
+        return input_shape
+
+    def get_config(self):
+        return super().get_config() | {"max_wavelength": self.max_wavelength,
+                                       "interleaved": self.interleaved}

@@ -186,3 +186,55 @@ def torch_block_from(block, d_model, decoder=False):
     else:
         copy_norm_to_torch(block.feed_forward_norm, ref.norm2)
     return ref.eval()
+
+
+# --- transformers Llama carried into a keras_tfm language model --------------------------------
+
+def llama_and_language_model(vocab_size=64, d_model=32, num_heads=4, num_key_value_heads=2,
+                             ff_dim=48, num_layers=2, rope_theta=500.0, seed=0, **kwargs):
+    """A random-weight `transformers.LlamaForCausalLM` (rotary, GQA, SwiGLU, RMSNorm, pre-LN,
+    untied) and a `build_language_model` model carrying its weights."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from keras_tfm import build_language_model
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=vocab_size, hidden_size=d_model, intermediate_size=ff_dim,
+                         num_hidden_layers=num_layers, num_attention_heads=num_heads,
+                         num_key_value_heads=num_key_value_heads, rope_theta=rope_theta,
+                         rms_norm_eps=1e-6, tie_word_embeddings=False,
+                         max_position_embeddings=128, attn_implementation="eager")
+    llama = LlamaForCausalLM(config).eval()
+    lm = build_language_model(
+        vocab_size, d_model=d_model, num_heads=num_heads, ff_dim=ff_dim, num_layers=num_layers,
+        positional="rotary", num_key_value_heads=num_key_value_heads, norm_first=True,
+        activation="silu", gated_feed_forward=True, normalization="rms_norm",
+        layer_norm_epsilon=1e-6, use_bias=False, rotary_max_wavelength=rope_theta, **kwargs)
+    weights = {k: v.detach().numpy() for k, v in llama.state_dict().items()}
+    head = d_model // num_heads
+
+    def assign(variable, value):
+        assert tuple(variable.shape) == value.shape, (variable.path, value.shape)
+        variable.assign(value)
+
+    assign(lm.get_layer("token_embedding").embeddings, weights["model.embed_tokens.weight"])
+    for i in range(num_layers):
+        block, prefix = lm.get_layer(f"decoder_block_{i}"), f"model.layers.{i}."
+        attention = block.self_attention
+        for dense, name, heads in ((attention.query_dense, "q_proj", num_heads),
+                                   (attention.key_dense, "k_proj", num_key_value_heads),
+                                   (attention.value_dense, "v_proj", num_key_value_heads)):
+            assign(dense.kernel,
+                   weights[prefix + f"self_attn.{name}.weight"].T.reshape(d_model, heads, head))
+        assign(attention.output_dense.kernel,
+               weights[prefix + "self_attn.o_proj.weight"].T.reshape(num_heads, head, d_model))
+        assign(block.self_attention_norm.scale, weights[prefix + "input_layernorm.weight"])
+        assign(block.feed_forward_norm.scale, weights[prefix + "post_attention_layernorm.weight"])
+        ffn = block.feed_forward
+        assign(ffn.intermediate_dense.kernel, weights[prefix + "mlp.gate_proj.weight"].T)
+        assign(ffn.up_dense.kernel, weights[prefix + "mlp.up_proj.weight"].T)
+        assign(ffn.output_dense.kernel, weights[prefix + "mlp.down_proj.weight"].T)
+    assign(lm.get_layer("final_norm").scale, weights["model.norm.weight"])
+    assign(lm.get_layer("logits").kernel, weights["lm_head.weight"].T)
+    return llama, lm

@@ -237,7 +237,7 @@ def test_bad_input_is_a_clear_error():
     with pytest.raises(ValueError, match="max_length"):
         generate(model, src, SOS, EOS, 0)
     with pytest.raises(ValueError, match="method"):
-        generate(model, src, SOS, EOS, 5, method="sample")
+        generate(model, src, SOS, EOS, 5, method="nucleus")
     with pytest.raises(ValueError, match=r"shape \(batch, length\)"):
         generate(model, src[0], SOS, EOS, 5)
     with pytest.raises(ValueError, match="start_id.*padding id"):

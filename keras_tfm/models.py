@@ -1,0 +1,246 @@
+"""Decoder-only and encoder-only transformers assembled with the Keras functional API.
+
+Seed 004: a transformer "can be built using encoder, decoder, or only one of them". A language
+model is a stack of decoder blocks without cross-attention (GPT, LLaMA); an encoder is a stack
+of encoder blocks (BERT), with per-token features or a classifier head. Both are functional
+`keras.Model` subclasses that rebuild themselves from their hyper-parameters (the pattern of
+keras_hub's backbones), so a `.keras` file keeps their configuration and special ids.
+"""
+
+import keras
+from keras import ops
+
+from keras_tfm import masks as masks_lib
+from keras_tfm._checks import check_dropout, check_positive_int
+from keras_tfm.blocks import TransformerDecoderBlock, TransformerEncoderBlock
+from keras_tfm.dropout import Dropout
+from keras_tfm.positional import PositionEmbedding, SinusoidalPositionalEncoding
+from keras_tfm.seq2seq import SPECIAL_ID_NAMES, _check_id
+
+_SERIALIZABLE = keras.saving.register_keras_serializable(package="keras_tfm")
+
+POSITIONAL_KINDS = ("rotary", "sinusoidal", "learned")
+POOLINGS = ("mean", "first")
+
+
+_HYPER_PARAMETERS = ("vocab_size", "d_model", "num_heads", "ff_dim", "num_layers", "positional",
+                     "num_key_value_heads", "norm_first", "dropout", "max_length", "activation",
+                     "gated_feed_forward", "normalization", "layer_norm_epsilon", "use_bias",
+                     "rotary_max_wavelength", "scale_embeddings") + SPECIAL_ID_NAMES
+
+
+def _hyper_parameters(arguments, *extra):
+    """The config of a stack model: its constructor's arguments, picked from `locals()`; the
+    special ids checked."""
+    config = {key: arguments[key] for key in _HYPER_PARAMETERS + extra}
+    vocab_size = config["vocab_size"]
+    _check_id("pad_id", config["pad_id"], vocab_size, allow_none=False)
+    _check_id("start_id", config["start_id"], vocab_size)
+    _check_id("end_id", config["end_id"], vocab_size)
+    if config["end_id"] is not None and config["end_id"] == config["pad_id"]:
+        raise ValueError(f"`end_id` must differ from the padding id; received "
+                         f"end_id={config['end_id']} and pad_id={config['pad_id']}.")
+    return config
+
+
+class _StackModel(keras.Model):
+    """A functional model whose config is its hyper-parameters (shared by both stacks)."""
+
+    def _embed(self, tokens, config):
+        """Token embedding, additive positions unless rotary, dropout; and the padding mask."""
+        vocab_size, d_model = config["vocab_size"], config["d_model"]
+        check_positive_int("vocab_size", vocab_size)
+        check_positive_int("d_model", d_model)
+        check_positive_int("num_layers", config["num_layers"])
+        check_dropout("dropout", config["dropout"])
+        positional = config["positional"]
+        if positional not in POSITIONAL_KINDS:
+            raise ValueError(f"`positional` must be one of {POSITIONAL_KINDS}; received "
+                             f"positional={positional!r}.")
+        if positional == "learned" and config["max_length"] is None:
+            raise ValueError('`max_length` is required for positional="learned" (the size of '
+                             "the learned position table); received max_length=None.")
+        mask = masks_lib.padding_mask(tokens, config["pad_id"])
+        x = keras.layers.Embedding(vocab_size, d_model, name="token_embedding")(tokens)
+        if config["scale_embeddings"]:
+            x = x * (d_model ** 0.5)
+        if positional == "sinusoidal":
+            x = SinusoidalPositionalEncoding(name="position_encoding")(x)
+        elif positional == "learned":
+            x = PositionEmbedding(config["max_length"], name="position_embedding")(x)
+        return Dropout(config["dropout"], name="embedding_dropout")(x), mask
+
+    @staticmethod
+    def _block_kwargs(config):
+        return dict(
+            num_heads=config["num_heads"], ff_dim=config["ff_dim"], dropout=config["dropout"],
+            activation=config["activation"], norm_first=config["norm_first"],
+            layer_norm_epsilon=config["layer_norm_epsilon"],
+            num_key_value_heads=config["num_key_value_heads"],
+            rotary=config["positional"] == "rotary",
+            rotary_max_wavelength=config["rotary_max_wavelength"],
+            normalization=config["normalization"],
+            gated_feed_forward=config["gated_feed_forward"], use_bias=config["use_bias"])
+
+    def _final_norm(self, x, config):
+        if not config["norm_first"]:
+            return x
+        cls = (keras.layers.RMSNormalization if config["normalization"] == "rms_norm"
+               else keras.layers.LayerNormalization)
+        return cls(epsilon=config["layer_norm_epsilon"], name="final_norm")(x)
+
+    @property
+    def special_ids(self):
+        """The model's special token ids, `{"pad_id": …, "start_id": …, "end_id": …}` (the ids
+        that were given)."""
+        return {key: self._model_config[key] for key in SPECIAL_ID_NAMES
+                if self._model_config[key] is not None}
+
+    def get_config(self):
+        return dict(self._model_config, name=self.name, trainable=self.trainable)
+
+    @classmethod
+    def from_config(cls, config):
+        return cls(**config)
+
+
+@_SERIALIZABLE
+class LanguageModel(_StackModel):
+    """A decoder-only transformer language model: token ids `(B, T)` → logits `(B, T, V)`.
+
+    Build it with `build_language_model` (same arguments). Layers: `token_embedding`,
+    `position_encoding` / `position_embedding` (unless rotary), `decoder_block_{i}` (decoder
+    blocks without cross-attention), `final_norm` (pre-LN), `logits`. As `Seq2SeqTransformer`,
+    the model's config holds its hyper-parameters and special ids (`model.special_ids`), so a
+    `.keras` file rebuilds it and `keras_tfm.generate` finds its ids.
+    """
+
+    def __init__(self, vocab_size, d_model=512, num_heads=8, ff_dim=2048, num_layers=6,
+                 positional="rotary", num_key_value_heads=None, norm_first=True, dropout=0.0,
+                 max_length=None, activation="gelu", gated_feed_forward=False,
+                 normalization="layer_norm", layer_norm_epsilon=1e-5, use_bias=True,
+                 rotary_max_wavelength=10000.0, scale_embeddings=False, pad_id=0, start_id=None,
+                 end_id=None, name="language_model", **kwargs):
+        config = _hyper_parameters(locals())
+        tokens = keras.Input((None,), dtype="int32", name="tokens")
+        x, mask = self._embed(tokens, config)
+        for i in range(num_layers):
+            x = TransformerDecoderBlock(name=f"decoder_block_{i}",
+                                        **self._block_kwargs(config))(x, inputs_mask=mask)
+        x = self._final_norm(x, config)
+        logits = keras.layers.Dense(vocab_size, use_bias=use_bias, name="logits")(x)
+        self._model_config = config
+        super().__init__(inputs=tokens, outputs=logits, name=name, **kwargs)
+
+
+@_SERIALIZABLE
+class EncoderModel(_StackModel):
+    """An encoder-only transformer (BERT-shaped): token ids `(B, T)` → features `(B, T, d)`, or
+    class logits `(B, num_classes)` with a classifier head.
+
+    Build it with `build_encoder` (same arguments). Layers: `token_embedding`, positions,
+    `encoder_block_{i}`, `final_norm` (pre-LN), and with `num_classes` the pooling and the
+    `classifier` dense layer. `pad_id` (in `model.special_ids`) is the padding id of the inputs.
+    """
+
+    def __init__(self, vocab_size, d_model=256, num_heads=4, ff_dim=1024, num_layers=4,
+                 positional="sinusoidal", num_key_value_heads=None, norm_first=False,
+                 dropout=0.1, max_length=None, activation="gelu", gated_feed_forward=False,
+                 normalization="layer_norm", layer_norm_epsilon=1e-5, use_bias=True,
+                 rotary_max_wavelength=10000.0, scale_embeddings=True, pad_id=0, start_id=None,
+                 end_id=None, num_classes=None, pooling="mean", name="encoder", **kwargs):
+        config = _hyper_parameters(locals(), "num_classes", "pooling")
+        if num_classes is not None:
+            check_positive_int("num_classes", num_classes)
+        if pooling not in POOLINGS:
+            raise ValueError(f"`pooling` must be one of {POOLINGS}; received pooling={pooling!r}.")
+        tokens = keras.Input((None,), dtype="int32", name="tokens")
+        x, mask = self._embed(tokens, config)
+        for i in range(num_layers):
+            x = TransformerEncoderBlock(name=f"encoder_block_{i}",
+                                        **self._block_kwargs(config))(x, mask=mask)
+        outputs = self._final_norm(x, config)
+        if num_classes is not None:
+            if pooling == "first":
+                pooled = outputs[:, 0]
+            else:  # mean over the real tokens
+                weights = ops.cast(mask, outputs.dtype)[..., None]
+                count = ops.maximum(ops.sum(weights, axis=1), 1.0)
+                pooled = ops.sum(outputs * weights, axis=1) / count
+            outputs = keras.layers.Dense(num_classes, name="classifier")(pooled)
+        self._model_config = config
+        super().__init__(inputs=tokens, outputs=outputs, name=name, **kwargs)
+
+
+def build_language_model(vocab_size, d_model=512, num_heads=8, ff_dim=2048, num_layers=6,
+                         positional="rotary", num_key_value_heads=None, norm_first=True,
+                         **kwargs):
+    """Build a decoder-only transformer language model (GPT / LLaMA shape).
+
+    `tokens (B, T) → logits (B, T, vocab_size)`; each position sees itself and the positions
+    before it (causal), and padding (`pad_id`, 0 by default) is masked as keys.
+    Train it with `fit` on next-token targets (`x = tokens[:, :-1]`, `y = tokens[:, 1:]`) and
+    `MaskedSparseCategoricalCrossentropy`; continue prompts with `keras_tfm.generate`.
+
+    Args:
+        vocab_size: number of token ids.
+        d_model: model width; must be divisible by `num_heads`.
+        num_heads: attention heads.
+        ff_dim: hidden width of the feed-forward networks.
+        num_layers: number of decoder blocks.
+        positional: `"rotary"` (in the attention, LLaMA), `"sinusoidal"` or `"learned"`
+            (added to the embeddings; learned needs `max_length`).
+        num_key_value_heads: grouped-query attention (None: one key/value head per head).
+        norm_first: pre-LN (True, GPT-2 / LLaMA, with a final norm) or post-LN.
+        **kwargs: `dropout` (0), `max_length`, `activation` ("gelu"), `gated_feed_forward`
+            (SwiGLU with `activation="silu"`), `normalization` ("layer_norm" or "rms_norm"),
+            `layer_norm_epsilon`, `use_bias`, `rotary_max_wavelength`, `scale_embeddings`
+            (×√d_model, False), `pad_id` (0), `start_id`, `end_id` (the model's special ids,
+            `model.special_ids`; `generate` stops at `end_id` by default), `name`.
+
+    Returns:
+        A `LanguageModel` (a functional `keras.Model`).
+
+    Example:
+
+    >>> lm = build_language_model(100, d_model=32, num_heads=4, ff_dim=64, num_layers=2,
+    ...                           num_key_value_heads=2, end_id=2)
+    >>> lm(np.ones((2, 7), "int32")).shape
+    (2, 7, 100)
+    """
+    return LanguageModel(vocab_size, d_model=d_model, num_heads=num_heads, ff_dim=ff_dim,
+                         num_layers=num_layers, positional=positional,
+                         num_key_value_heads=num_key_value_heads, norm_first=norm_first,
+                         **kwargs)
+
+
+def build_encoder(vocab_size, d_model=256, num_heads=4, ff_dim=1024, num_layers=4,
+                  num_classes=None, pooling="mean", **kwargs):
+    """Build an encoder-only transformer (BERT shape): features or a sequence classifier.
+
+    Bidirectional self-attention over the tokens, padding (`pad_id`, 0 by
+    default) masked as keys. Without `num_classes` the output is the per-token features
+    `(B, T, d_model)`; with it, the logits `(B, num_classes)` of a dense layer on the mean of
+    the real tokens' features (`pooling="mean"`) or on the first token's (`"first"`, a [CLS]
+    token).
+
+    Args:
+        vocab_size, d_model, num_heads, ff_dim, num_layers: as in `build_language_model`.
+        num_classes: None for features, else the number of classes.
+        pooling: `"mean"` or `"first"`.
+        **kwargs: as in `build_language_model`; here the defaults are `positional="sinusoidal"`,
+            `norm_first=False` (post-LN, BERT), `dropout=0.1`, `scale_embeddings=True`.
+
+    Returns:
+        An `EncoderModel` (a functional `keras.Model`).
+
+    Example:
+
+    >>> classifier = build_encoder(20, d_model=32, num_heads=4, ff_dim=64, num_layers=2,
+    ...                            num_classes=3)
+    >>> classifier(np.ones((2, 7), "int32")).shape
+    (2, 3)
+    """
+    return EncoderModel(vocab_size, d_model=d_model, num_heads=num_heads, ff_dim=ff_dim,
+                        num_layers=num_layers, num_classes=num_classes, pooling=pooling,
+                        **kwargs)
