@@ -3,21 +3,14 @@
     python benchmarks/attention.py --backend jax [--json out.json]
     python benchmarks/attention.py --all [--output-dir benchmarks/results]
 
-Batch 8, d_model 256, 4 heads, padded rows (the last quarter of every other sequence is
-padding), no dropout. Each layer sits alone in a `keras.Model` trained with `train_on_batch`
-(MSE, SGD; `compile()` defaults: XLA under JAX, a tf.function graph under TensorFlow on a
-machine without GPU, eager under torch):
-
-* keras_tfm fused: `MultiHeadSelfAttention` as is (`keras.ops.dot_product_attention`);
-* keras_tfm explicit: the same layer with `return_attention_scores=True`, which takes the
-  explicit path (scores, float32 softmax, weighted sum);
-* Keras MHA: `keras.layers.MultiHeadAttention` with the same padding (`query_mask`,
-  `value_mask`).
-
-Reported: milliseconds per step (median of repeats after a warm-up) and the step's memory:
-under torch and TensorFlow the peak device memory where the backend reports it (GPUs), under
-JAX what XLA plans for the jitted forward + backward (arguments, outputs and temporaries; any
-device).
+Batch 8, d_model 256, 4 heads, the last quarter of every other sequence padding, no dropout;
+each layer alone in a `keras.Model` trained with `train_on_batch` (MSE, SGD, `compile()`
+defaults). Variants: keras_tfm fused (`MultiHeadSelfAttention` as is, on
+`keras.ops.dot_product_attention`), keras_tfm explicit (the same layer with
+`return_attention_scores=True`), and `keras.layers.MultiHeadAttention` with the same padding.
+Reported: ms per step (median after a warm-up) and memory: the peak device memory under torch
+and TensorFlow where the backend reports it (GPUs), XLA's plan for the step under JAX.
+Results: benchmarks/README.md.
 """
 
 import os

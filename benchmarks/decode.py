@@ -3,20 +3,13 @@
     python benchmarks/decode.py                 # every backend, each in its own process
     python benchmarks/decode.py --backend jax   # one backend
 
-The toy translation model (d_model 64, 4 heads, ff 128, 2+2 layers, vocabularies of 10), a
-batch of 32 sources of length 22, and 32, 64 and 128 new tokens. The end id is set to the
-padding id, which is never generated, so every run produces exactly that many tokens.
-
-* cached: `keras_tfm.generate(method="greedy")` — one new token per step through the decoder,
-  self-attention keys/values kept in a preallocated cache, cross-attention keys/values computed
-  once, the whole loop compiled (JAX jit, tf.function) or run under torch.no_grad.
-* recompute: the keras.io example's loop — at every step the whole model (encoder and decoder)
-  runs on the target prefix padded to a fixed length, and the next token is the arg-max at the
-  current position. The forward pass is compiled once (`model.predict_on_batch`), which makes
-  this baseline faster than the keras.io example's eager calls.
-
-Reported: new tokens per second (batch × new tokens / seconds), median of several runs after a
-warm-up run, and the speed-up of cached over recompute.
+The toy translation model (d_model 64, 4 heads, ff 128, 2+2 layers, vocabularies of 10), 32
+sources of length 22, and 32, 64 and 128 new tokens; the end id is the padding id, which is
+never generated, so every run makes exactly that many. *cached*:
+`keras_tfm.generate(method="greedy")`; *recompute*: the keras.io example's loop (the whole model
+on the padded prefix at every step), its forward pass compiled once (`predict_on_batch`).
+Reported: new tokens per second (median of several runs after a warm-up) and the speed-up.
+Results: benchmarks/README.md.
 """
 
 import argparse

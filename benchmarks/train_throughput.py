@@ -5,37 +5,19 @@ torch.nn.Transformer, on the same random padded batches, in one process per back
     python benchmarks/train_throughput.py --all [--output-dir benchmarks/results]   # 3 x 2 runs
     python benchmarks/train_throughput.py --report   # tables + train_throughput.png from those
     python benchmarks/train_throughput.py --backend jax --dropout 0   # the models without dropout
+    python benchmarks/train_throughput.py --backend jax --models keras_tfm keras_tfm_unchecked \
+        keras_tfm_reloaded   # the cost of the token-id checks; a file saved under torch
 
-The same encoder-decoder transformer (post-LN, ReLU feed-forward, scaled embeddings plus
-sinusoidal positions, 2 + 2 layers, dropout 0.1 where keras_hub puts it: on the embeddings, the
-attention weights and each sublayer's output) is built four ways:
-
-* keras_tfm: `keras_tfm.build_transformer(..., dropout=0.1, activation_dropout=0)` (no
-  dropout inside the feed-forward network, which keras_hub does not have);
-* keras_hub: `keras_hub.layers.TransformerEncoder` / `TransformerDecoder` +
-  `keras.layers.Embedding` + `keras_hub.layers.SinePositionEncoding`;
-* Keras MHA: `keras.layers.MultiHeadAttention` + `LayerNormalization` + `Dense`, composed as a
-  user would (padding masks as `query_mask` / `value_mask`, `use_causal_mask=True`);
-* torch.nn (under torch only): `torch.nn.Transformer(batch_first=True)` + `nn.Embedding` + the
-  same positions, `CrossEntropyLoss(ignore_index=0)` and a plain Adam loop (its layers also
-  drop out inside the feed-forward network; torch cannot turn that off alone).
-
-The Keras models train with `model.fit` (Adam, keras_tfm's masked loss, `compile()` defaults,
-so `jit_compile="auto"`: XLA under JAX; under TensorFlow Keras turns XLA off on a machine with
-no GPU, so a tf.function graph; eager under torch), given NumPy arrays, except under TensorFlow:
-there a `tf.data.Dataset` of the same batches with tf.data's autotuning off (see
-`unautotuned_dataset`). All models are built and warmed up first, then timed in turns (repeat 1
-of every model, repeat 2 of every model, ...) so that the machine's slow spells fall on all
-alike. Reported: training tokens per second, counting source + target positions of the padded
-batches (B x (S + T) per step), median over the repeats; the ratio of keras_tfm to each peer
-(of the medians), and to the faster Keras peer also per round (the median over the rounds of
-that round's faster peer's time over keras_tfm's: steadier where the machine drifts); the
-model's matmul FLOPs per step (forward x 3) and the FLOP/s they reach, as a fraction of this
-backend's fp32 matmul peak measured in the same run; and the matmul bound: the time each of the
-model's matmul shapes takes on this backend (measured here, forward shapes, x 3), summed.
+The same post-LN encoder-decoder (dropout 0.1 where keras_hub puts it) built as
+`keras_tfm.build_transformer`, from keras_hub's `TransformerEncoder` / `TransformerDecoder`,
+from `keras.layers.MultiHeadAttention`, and (under torch) as `torch.nn.Transformer` with a plain
+Adam loop. Reported: training tokens/s (median over repeats timed in turns), keras_tfm's ratio
+to each peer and to the faster Keras peer (also per round), and the matmul FLOP/s and bound.
+Method and results: benchmarks/README.md.
 """
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -205,14 +187,65 @@ KERAS_MODELS = {"keras_tfm": build_keras_tfm, "keras_hub": build_keras_hub,
 KERAS_PEERS = ("keras_hub", "keras_mha")  # keras_tfm ÷ the faster of these is the bar
 
 
+@contextlib.contextmanager
+def unchecked_ids():
+    """keras_tfm without its in-graph token-id checks (a plain lookup, every target valid), to
+    measure what they cost: `keras_tfm_unchecked` is built, traced and run inside this."""
+    import keras
+    import keras_tfm.embedding
+    import keras_tfm.losses
+
+    saved = keras_tfm.embedding.embed_or_nan, keras_tfm.losses.in_vocabulary
+    keras_tfm.embedding.embed_or_nan = lambda embedding, ids, vocab_size: embedding(ids)
+    keras_tfm.losses.in_vocabulary = lambda ids, vocab_size: keras.ops.ones_like(ids, "bool")
+    try:
+        yield
+    finally:
+        keras_tfm.embedding.embed_or_nan, keras_tfm.losses.in_vocabulary = saved
+
+
+def save_under_torch(cfg, path):
+    """Build and compile keras_tfm as `keras_runner` does, under torch, and save it to `path`
+    (its file then carries jit_compile=False, what "auto" resolves to under torch)."""
+    env = dict(os.environ, KERAS_BACKEND="torch")
+    subprocess.run([sys.executable, __file__, "--save-torch-model", path, "--cfg",
+                    json.dumps(cfg)], check=True, env=env)
+
+
+def _save_torch_model(path, cfg):
+    import keras
+
+    import keras_tfm
+
+    keras.utils.set_random_seed(0)
+    model = build_keras_tfm(cfg)
+    model.compile(optimizer=keras.optimizers.Adam(1e-4),
+                  loss=keras_tfm.MaskedSparseCategoricalCrossentropy())
+    keras_tfm.saving.save_model(model, path)
+
+
+def build_keras_tfm_reloaded(cfg):
+    """keras_tfm saved under torch, loaded here with keras_tfm.saving.load_model (compiled)."""
+    import tempfile
+
+    import keras_tfm
+
+    path = os.path.join(tempfile.mkdtemp(), "torch_saved.keras")
+    save_under_torch(cfg, path)
+    return keras_tfm.saving.load_model(path)
+
+
+# Not in the default runs: `--models keras_tfm keras_tfm_unchecked keras_tfm_reloaded`.
+EXTRA_MODELS = {"keras_tfm_unchecked": build_keras_tfm, "keras_tfm_reloaded":
+                build_keras_tfm_reloaded}
+
+
 def unautotuned_dataset(x, y, batch_size):
     """The same batches as a `tf.data.Dataset` with tf.data's autotuning off.
 
-    Given NumPy arrays, Keras's TensorFlow trainer builds an autotuned tf.data pipeline; on this
-    2-core machine that made each `fit` call run all its steps either at ~140 or at ~218 ms a
-    step (small config), at random from call to call and alike for every model. With
-    autotuning off (plain `Dataset.batch`, or Keras's own map + prefetch) every call ran at
-    ~130-140 ms; with it on, both those pipelines were bimodal again (README)."""
+    Given NumPy arrays, Keras's TensorFlow trainer builds an autotuned tf.data pipeline, whose
+    speed changed at random from one `fit` call to the next on a small CPU machine
+    (benchmarks/README.md)."""
     import tensorflow as tf
 
     options = tf.data.Options()
@@ -230,9 +263,10 @@ def keras_runner(build, cfg, batches, jit_compile="auto"):
 
     keras.utils.set_random_seed(0)
     model = build(cfg)
-    model.compile(optimizer=keras.optimizers.Adam(1e-4),
-                  loss=keras_tfm.MaskedSparseCategoricalCrossentropy(),
-                  jit_compile=jit_compile)
+    if not model.compiled:  # (keras_tfm_reloaded comes compiled from its file)
+        model.compile(optimizer=keras.optimizers.Adam(1e-4),
+                      loss=keras_tfm.MaskedSparseCategoricalCrossentropy(),
+                      jit_compile=jit_compile)
     src, dec_in, tgt = batches
     b = cfg["batch"]
 
@@ -246,7 +280,20 @@ def keras_runner(build, cfg, batches, jit_compile="auto"):
             model.fit(x, y, batch_size=b, epochs=1, shuffle=False, verbose=0)
 
     fit(cfg["warmup"])
+    print(f"{build.__name__}: jit_compile={model.jit_compile}", flush=True)
     return (lambda offset: fit(cfg["steps"], offset)), model.count_params()
+
+
+def unchecked_runner(cfg, batches):
+    """`keras_runner` of keras_tfm built, traced and run with `unchecked_ids`."""
+    with unchecked_ids():
+        run, params = keras_runner(build_keras_tfm, cfg, batches)
+
+    def run_unchecked(offset):
+        with unchecked_ids():  # (torch runs eagerly: the Python code runs at every step)
+            run(offset)
+
+    return run_unchecked, params
 
 
 def torch_native_runner(cfg, batches):
@@ -312,8 +359,7 @@ def time_interleaved(runners, cfg):
     """Seconds per step of each runner: the repeats go round the runners in turn, so a slow
     spell of the machine falls on all of them alike; median per runner. One untimed round
     first, once every runner is built: under TensorFlow the first call of each model but the
-    last one built ran 2-4x slower than its later calls (all models alike, by build order), and
-    the median of 5 or 7 repeats kept part of that against the models built first."""
+    last one built was slower than its later calls."""
     for run in runners.values():
         run(0)
     times = {name: [] for name in runners}
@@ -421,8 +467,11 @@ def run(backend, config, models=None, dropout=DROPOUT):
     for name in names:  # built, compiled and warmed up first; timed together below
         if name == "torch_native":
             runners[name], params[name] = torch_native_runner(cfg, batches)
+        elif name == "keras_tfm_unchecked":
+            runners[name], params[name] = unchecked_runner(cfg, batches)
         else:
-            runners[name], params[name] = keras_runner(KERAS_MODELS[name], cfg, batches)
+            runners[name], params[name] = keras_runner(
+                (KERAS_MODELS | EXTRA_MODELS)[name], cfg, batches)
     summary, calls = time_interleaved(runners, cfg)
     for name, seconds in summary.items():
         results["models"][name] = {"step_s": seconds, "tokens_per_s": tokens / seconds,
@@ -437,6 +486,12 @@ def run(backend, config, models=None, dropout=DROPOUT):
             r["keras_tfm_speedup"] = ours["tokens_per_s"] / r["tokens_per_s"]
             if name != "keras_tfm":
                 print(f"keras_tfm / {name}: {r['keras_tfm_speedup']:.2f}x")
+        for extra in EXTRA_MODELS:  # its step time ÷ keras_tfm's, median over the rounds
+            if extra in calls:
+                ratio = statistics.median(ours_s / theirs for ours_s, theirs in
+                                          zip(calls["keras_tfm"], calls[extra]))
+                results[f"keras_tfm_vs_{extra}_per_round"] = ratio
+                print(f"keras_tfm step / {extra} step, per round: {ratio:.3f}")
         peers = [results["models"][n]["tokens_per_s"] for n in KERAS_PEERS
                  if n in results["models"]]
         if peers:
@@ -466,6 +521,9 @@ def report(output_dir):
             print(f"skipped {path}: dropout {r['dropout']}, not the reported {DROPOUT}")
             continue
         results[(r["config"], r["backend"])] = r
+    if not results:
+        print(f"no train_*_*.json results in {output_dir}")
+        return
     names = ["keras_tfm", "keras_hub", "keras_mha", "torch_native"]
     peers = names[1:]
     lines = ["| config | backend | " + " | ".join(names) + " | "
@@ -525,7 +583,9 @@ def main():
     parser.add_argument("--backend", choices=BACKENDS)
     parser.add_argument("--config", choices=sorted(CONFIGS), default="small")
     parser.add_argument("--models", nargs="*", help="a subset of " + ", ".join(
-        [*KERAS_MODELS, "torch_native"]))
+        [*KERAS_MODELS, "torch_native", *EXTRA_MODELS]))
+    parser.add_argument("--save-torch-model", help=argparse.SUPPRESS)  # save_under_torch
+    parser.add_argument("--cfg", help=argparse.SUPPRESS)
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--dropout", type=float, default=DROPOUT,
                         help=f"the models' dropout rate (default {DROPOUT}; 0 compares the "
@@ -537,6 +597,9 @@ def main():
     parser.add_argument("--report", action="store_true",
                         help="tables and a PNG plot from the results in --output-dir")
     args = parser.parse_args()
+    if args.save_torch_model:
+        _save_torch_model(args.save_torch_model, json.loads(args.cfg))
+        return
     if args.all and args.dropout != DROPOUT:
         parser.error(f"--all runs the reported comparison, at dropout {DROPOUT}; run one "
                      "--backend with --dropout instead")

@@ -3,22 +3,15 @@
     KERAS_BACKEND=jax python examples/distributed_training.py [--devices N] [--model-parallel M]
     KERAS_BACKEND=tensorflow python examples/distributed_training.py [--devices N]
         [--epochs E] [--num-samples S] [--batch-size B] [--output-dir DIR] [--quick]
-
-JAX: trains the model of examples/toy_translation.py on one device, with
-`keras.distribution.DataParallel` over all N devices, and with `keras.distribution.ModelParallel`
-on a (N / M) x M mesh using `keras_tfm.distribution.get_layout_map` (weights split M ways); then
-translates held-out sentences with each, saves the model-parallel one and reloads it without a
-distribution. TensorFlow: one device, then `tf.distribute.MirroredStrategy` over N devices.
-Without accelerators the CPU is split into N virtual devices (JAX: XLA_FLAGS
---xla_force_host_platform_device_count, set before jax is imported; TensorFlow: logical CPUs).
-
-PyTorch: `keras.distribution` is absent there, so the Keras model (a `torch.nn.Module`) is
-wrapped in `torch.nn.parallel.DistributedDataParallel` and trained by a torch loop, one process
-per device: one process first, then N processes started here (GPUs with NCCL, else CPU
-processes with Gloo). Under `torchrun` (several GPUs or hosts) the script joins the process
-group that torchrun set up instead:
-
     KERAS_BACKEND=torch torchrun --nproc-per-node 8 examples/distributed_training.py
+
+JAX: one device, `keras.distribution.DataParallel` over N devices, and `ModelParallel` on a
+(N / M) x M mesh with `keras_tfm.distribution.get_layout_map`; translates held-out sentences
+with each and reloads the model-parallel one without a distribution. TensorFlow: one device,
+then `tf.distribute.MirroredStrategy`. PyTorch: one process, then N processes under
+`DistributedDataParallel` with a torch loop (NCCL on GPUs, else Gloo; under `torchrun` it joins
+torchrun's group). Without accelerators the CPU is split into N virtual devices. See
+docs/scaling.md; results in benchmarks/README.md.
 """
 
 import argparse
@@ -137,7 +130,7 @@ def torch_train(rank, world_size, args, result_path=None):
         result["exact"] = float(toy_translation.accuracies(predicted, test_target)[1])
         if world_size > 1:
             path = os.path.join(args.output_dir, "ddp.keras")
-            model.save(path)  # the Keras model inside DDP, saved by rank 0 only
+            keras_tfm.saving.save_model(model, path)  # the Keras model inside DDP, rank 0 only
             result["saved"] = path
         if result_path:
             with open(result_path, "w") as f:
@@ -261,8 +254,8 @@ def main(argv=None):
         print(f"\n{kernel.path}: {tuple(kernel.shape)}, sharding "
               f"{kernel.value.sharding.spec}, one shard {tuple(shard.shape)}")
         path = os.path.join(args.output_dir, "model_parallel.keras")
-        model.save(path)
-        reloaded = keras.models.load_model(path)  # no distribution: one device
+        keras_tfm.saving.save_model(model, path)  # atomic: a temporary file, then a rename
+        reloaded = keras_tfm.saving.load_model(path)  # no distribution: one device
         gap = np.abs(np.asarray(reloaded.predict(val[0], verbose=0))
                      - np.asarray(model.predict(val[0], verbose=0))).max()
         print(f"saved {path}; reloaded without a distribution, max logit difference {gap:.1e}")

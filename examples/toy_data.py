@@ -11,6 +11,8 @@
 
 import numpy as np
 
+import keras_tfm
+
 PAD, SOS, EOS = 0, 1, 2
 SPECIALS = ["<PAD>", "<SOS>", "<EOS>"]
 SOURCE_WORDS = ["a", "b", "c", "d", "3", "5", "8"]
@@ -63,11 +65,12 @@ def decode(tokens, vocab=TARGET_VOCAB):
 
 
 def make_dataset(num, seed=0):
-    """Source tokens `(num, SOURCE_LENGTH)` and target tokens `(num, TARGET_LENGTH)` (int32).
+    """Source tokens `(num, SOURCE_LENGTH)` and target tokens `(num, TARGET_LENGTH)` (int32),
+    checked against their vocabularies (`keras_tfm.check_token_ids`).
 
     For teacher forcing: decoder inputs are `target[:, :-1]`, labels `target[:, 1:]`."""
     sentences = sample_sentences(num, seed)
-    source = np.array([encode(s, SOURCE_IDS, SOURCE_LENGTH) for s in sentences], "int32")
-    target = np.array([encode(translate(s), TARGET_IDS, TARGET_LENGTH) for s in sentences],
-                      "int32")
-    return source, target
+    source = [encode(s, SOURCE_IDS, SOURCE_LENGTH) for s in sentences]
+    target = [encode(translate(s), TARGET_IDS, TARGET_LENGTH) for s in sentences]
+    return (keras_tfm.check_token_ids(source, len(SOURCE_VOCAB), name="source"),
+            keras_tfm.check_token_ids(target, len(TARGET_VOCAB), name="target"))

@@ -138,8 +138,8 @@ def main(argv=None):
               f"{words(predicted[i], toy_data.TARGET_VOCAB)}")
 
     path = os.path.join(args.output_dir, "toy_translation.keras")
-    model.save(path)
-    reloaded = keras.models.load_model(path)
+    keras_tfm.saving.save_model(model, path)  # atomic: a temporary file, then a rename
+    reloaded = keras_tfm.saving.load_model(path)
     again = translate(reloaded, test_source[:100])
     same = np.array_equal(again, predicted[:100, :again.shape[1]])
     logits_gap = np.abs(reloaded.predict([test_source[:8], test_target[:8, :-1]], verbose=0)

@@ -1,6 +1,7 @@
 """keras_tfm: Keras 3 layers for the encoder-decoder transformer."""
 
 from keras_tfm import distribution, losses, masks, metrics, saving, schedules
+from keras_tfm._checks import check_token_ids
 from keras_tfm.attention import (
     CrossAttention,
     MultiHeadSelfAttention,
@@ -36,6 +37,7 @@ __all__ = [
     "TransformerEncoderBlock",
     "TransformerSchedule",
     "build_transformer",
+    "check_token_ids",
     "distribution",
     "from_marian",
     "generate",

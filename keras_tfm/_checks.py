@@ -1,6 +1,8 @@
 """Validation of hyper-parameters and input shapes, and other small helpers shared by every layer."""
 
 import keras
+import numpy as np
+from keras import ops
 
 
 def clone_initializer(initializer):
@@ -38,3 +40,91 @@ def check_same_batch(layer, first_name, first_shape, second_name, second_shape):
             f"{layer.name}: `{first_name}` and `{second_name}` must have the same batch size; "
             f"received {tuple(first_shape)} and {tuple(second_shape)}."
         )
+
+
+def check_token_ids(token_ids, vocab_size, name="token_ids"):
+    """Check token ids in NumPy before anything runs; return them as an int32 array.
+
+    Ids must be integers (an integer array, or whole numbers in a float array) of rank 2
+    `(batch, length)`, each in `[0, vocab_size)`. Inside a traced graph ids cannot be checked
+    like this: there `TokenAndPositionEmbedding` and the masked loss turn a bad id into NaN.
+
+    Args:
+        token_ids: array-like of shape `(batch, length)`.
+        vocab_size: the vocabulary size.
+        name: the argument's name, used in the error message.
+
+    Returns:
+        The ids as an int32 NumPy array.
+
+    Raises:
+        ValueError: naming the first bad value, its (row, column) and the vocabulary size.
+
+    Example:
+
+    >>> check_token_ids([[5, 7, 0]], vocab_size=8)
+    array([[5, 7, 0]], dtype=int32)
+    """
+    try:
+        ids = np.asarray(token_ids)
+    except ValueError as error:  # ragged Python lists
+        raise ValueError(f"`{name}` must be a rectangular (batch, length) array of token ids; "
+                         f"rows of different lengths could not be stacked ({error}).") from None
+    if ids.ndim != 2:
+        raise ValueError(f"`{name}` must have rank 2 (batch, length); received shape "
+                         f"{ids.shape}.")
+    if ids.dtype == bool or not (np.issubdtype(ids.dtype, np.integer)
+                                 or np.issubdtype(ids.dtype, np.floating)):
+        raise ValueError(f"`{name}` must hold integer token ids; received dtype {ids.dtype}.")
+    if np.issubdtype(ids.dtype, np.floating):
+        bad = ~np.isfinite(ids) | (ids != np.round(ids))
+        if bad.any():
+            row, col = (int(i) for i in np.argwhere(bad)[0])
+            raise ValueError(f"`{name}` must hold integer token ids; received {ids[row, col]!r} "
+                             f"at (row, column) ({row}, {col}).")
+    bad = (ids < 0) | (ids >= vocab_size)
+    if bad.any():
+        row, col = (int(i) for i in np.argwhere(bad)[0])
+        raise ValueError(
+            f"`{name}` has token id {ids[row, col].item()!r} at (row, column) ({row}, {col}), "
+            f"outside the vocabulary [0, {vocab_size}) (vocab_size={vocab_size}); "
+            f"{int(bad.sum())} id(s) in all are out of range.")
+    return ids.astype("int32")
+
+
+def in_vocabulary(token_ids, vocab_size):
+    """bool tensor: True where an (int) id lies in `[0, vocab_size)`; keras.ops, traceable."""
+    return ops.logical_and(ops.greater_equal(token_ids, 0), ops.less(token_ids, vocab_size))
+
+
+def embed_or_nan(embedding, token_ids, vocab_size):
+    """`embedding(token_ids)`, with NaN vectors for ids outside `[0, vocab_size)`.
+
+    Backends disagree on an out-of-range lookup (JAX gives NaN, TensorFlow raises on a CPU and
+    gives zeros on a GPU, torch raises an IndexError); NaN on every backend makes a bad id in a
+    traced `fit` visible as a NaN loss instead of a finite one.
+    """
+    ids = ops.cast(token_ids, "int32")
+    valid = in_vocabulary(ids, vocab_size)
+    vectors = embedding(ops.where(valid, ids, 0))
+    return ops.where(valid[..., None], vectors, ops.cast(float("nan"), vectors.dtype))
+
+
+def with_quantized_dtypes(layer, config):
+    """`config` whose `dtype` also records the policies of the layer's quantized sublayers.
+
+    `model.quantize(...)` quantizes the Dense, EinsumDense and embedding layers inside a
+    keras_tfm layer, but the layer's config only carries its own policy: reloaded, it would
+    rebuild float sublayers. A `DTypePolicyMap` keyed by sublayer path (what keras_hub's
+    backbones save) makes them rebuild quantized.
+    """
+    policy = layer.dtype_policy
+    if isinstance(policy, keras.dtype_policies.DTypePolicyMap):
+        return config
+    quantized = {sub.path: sub.dtype_policy for sub in layer._flatten_layers(include_self=False)
+                 if sub.path and sub.quantization_mode is not None}
+    if quantized:
+        policy_map = keras.dtype_policies.DTypePolicyMap(default_policy=policy,
+                                                         policy_map=quantized)
+        config["dtype"] = keras.dtype_policies.serialize(policy_map)
+    return config

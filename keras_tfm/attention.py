@@ -12,6 +12,7 @@ from keras import ops
 from keras_tfm import masks as masks_lib
 from keras_tfm._checks import clone_initializer
 from keras_tfm._checks import check_dropout, check_positive_int, check_rank, check_same_batch
+from keras_tfm._checks import with_quantized_dtypes
 from keras_tfm.dropout import Dropout
 
 _SERIALIZABLE = keras.saving.register_keras_serializable(package="keras_tfm")
@@ -39,7 +40,8 @@ def scaled_dot_product_attention(
         query: `(B, T, H, d_k)`.
         key: `(B, S, H, d_k)`.
         value: `(B, S, H, d_v)`.
-        mask: optional bool tensor broadcasting to `(B, T, S)`; True where attention is allowed.
+        mask: optional bool (or 0/1) `(B, T, S)` or `(T, S)`, or broadcasting to `(B, T, S)`;
+            True where attention is allowed. Shape and values are checked (see `masks`).
         dropout: optional callable `dropout(weights, training=...)` applied to the weights.
         training: Python bool, whether dropout is active.
         return_weights: also return the attention weights `(B, H, T, S)`.
@@ -48,10 +50,10 @@ def scaled_dot_product_attention(
     Returns:
         The attention output `(B, T, H, d_v)`, and the weights when `return_weights`.
     """
+    mask = masks_lib.check_attention_mask(mask, query, key)
     scale = 1.0 / math.sqrt(query.shape[-1])
     row_has_key = None
     if mask is not None:
-        mask = ops.cast(mask, "bool")
         row_has_key = ops.any(mask, axis=-1)  # (B, T)
         # A row with no allowed key attends everywhere (finite on every backend and every
         # path, gradients included); its output is zeroed below.
@@ -191,7 +193,7 @@ class _MultiHeadAttentionBase(keras.layers.Layer):
         return tuple(input_shape[:-1]) + (self._d_model,)
 
     def get_config(self):
-        config = super().get_config()
+        config = with_quantized_dtypes(self, super().get_config())
         config.update(
             num_heads=self.num_heads,
             key_dim=self.key_dim,

@@ -10,6 +10,7 @@ import keras
 
 from keras_tfm import masks as masks_lib
 from keras_tfm._checks import check_dropout, check_positive_int, check_rank, check_same_batch
+from keras_tfm._checks import with_quantized_dtypes
 from keras_tfm.attention import CrossAttention, MultiHeadSelfAttention
 from keras_tfm.dropout import Dropout
 from keras_tfm.feedforward import FeedForward
@@ -100,7 +101,7 @@ class _TransformerBlockBase(keras.layers.Layer):
         return input_shape
 
     def get_config(self):
-        return super().get_config() | {
+        return with_quantized_dtypes(self, super().get_config()) | {
             "num_heads": self.num_heads,
             "ff_dim": self.ff_dim,
             "dropout": self.dropout,

@@ -10,7 +10,7 @@ the engine the backend already has.
 - PyTorch: `keras.distribution` is absent in the Keras release; wrap the model in
   `torch.nn.parallel.DistributedDataParallel` as in the Keras guide for torch.
 
-The README's "Scaling out" section shows all three.
+docs/scaling.md shows all three.
 """
 
 import keras

@@ -1,35 +1,17 @@
 """Inverted dropout with cheaper random numbers than `keras.random.dropout`.
 
-On the CPU, random numbers are a large part of a transformer's training step: with dropout
-0.1 everywhere (embeddings, attention weights, feed-forward hidden units, residuals) the
-small benchmark's JAX step took 229 ms against 164 ms with dropout off (benchmarks/README.md).
-Two ways to draw less, each where it measured faster than Keras's dropout (benchmarks/dropout.py):
+* Under JAX, the mask comes from Threefry-2x32 (the generator behind `jax.random`, keyed by the
+  layer's `SeedGenerator` as Keras keys `jax.random`), written with `keras.ops` so that XLA
+  fuses it with the comparison and the scaling. Elements 2j and 2j + 1 take the two 32-bit
+  words of counter j; an element is dropped when its word is below `rate · 2³²` (rounded up).
+* Under torch and TensorFlow, on the CPU, one random 64-bit integer decides four elements: its
+  memory, viewed as four 16-bit integers, gives the numbers of four consecutive elements, each
+  compared with one threshold; the rate is rounded up to a multiple of 2⁻¹⁶ (0.1 → 0.100006).
+  Torch tensors on an accelerator or under `torch.compile`, and TensorFlow with a GPU or TPU
+  present, take Keras's dropout (`_split_draws_suit`), so a seeded layer's masks differ there.
 
-* Under JAX, the mask comes from Threefry-2x32 — the generator behind `jax.random`, keyed by
-  the layer's `SeedGenerator` as Keras keys `jax.random` — written here with `keras.ops` so
-  that XLA fuses it into one elementwise kernel with the comparison and the scaling. (JAX's
-  own CPU lowering of Threefry runs its rounds as a loop over whole arrays in memory; see
-  benchmarks/dropout.py for the times.) Elements 2j and 2j + 1 take the two 32-bit words of
-  counter j; an element is dropped when its word is below `rate · 2³²` (rounded up), so the
-  rate is exact to 2⁻³².
-* Under torch and TensorFlow, on the CPU, one random 64-bit integer decides four elements:
-  its bytes, viewed as four 16-bit integers (no arithmetic: a reinterpretation of the same
-  memory), are the numbers of four consecutive elements, each compared with one threshold.
-  The rate is rounded up to a multiple of 2⁻¹⁶ (0.1 → 0.100006). (Keras's dropout calls
-  torch's native one there, whose CPU `bernoulli_` took ~6 ns an element; these draws ~1 ns,
-  four elements to a 64-bit integer of torch's generator. Under TensorFlow Keras's dropout
-  draws a uniform number per element, in the input's dtype; for float32 these draws took
-  26-41% less time than it, forward and backward, and 2-5% less a training step.) On CUDA
-  torch's native dropout is one fused kernel and faster than these separate kernel launches
-  (measured for an earlier form of these draws), and under `torch.compile` Keras's seeded
-  random numbers break the graph: both take Keras's dropout (see `_split_draws_suit`), which
-  is torch's native one for an unseeded layer (as keras_tfm builds them; with a `seed` Keras
-  draws through a `torch.Generator`, which still breaks a compiled graph). Under TensorFlow
-  with a GPU or TPU present the layer takes Keras's dropout too (these draws were not
-  measured there). A seeded layer's masks therefore differ between those machines.
-
-Either way the kept elements are scaled by 1 / (1 − the applied rate): the expectation is
-unchanged, as with `keras.layers.Dropout`.
+Either way the kept elements are scaled by 1 / (1 − the applied rate), as in
+`keras.layers.Dropout`. Timings: benchmarks/README.md ("Dropout alone").
 """
 
 import math
@@ -67,15 +49,11 @@ def _split_draws_suit(inputs):
     TensorFlow, a process that sees no GPU or TPU (a traced graph's tensors do not know their
     device yet, and TensorFlow places them on an accelerator where there is one).
 
-    On an H200, forward + backward, torch's native dropout took 0.42-0.51 ms and an earlier
-    form of these draws (one float32 uniform per two elements, ~10 kernels) 0.96-1.09 ms, from
-    (64, 32, 128) to (32, 512, 1024) (benchmarks/dropout.py): on CUDA the separate kernels cost
-    more than the random numbers they save. (The split draws need ~5 kernels; not measured on
-    a GPU.)
-    Under `torch.compile`, Keras draws seeded random numbers through a `torch.Generator`
-    outside the graph (dynamo cannot trace it), one graph break per layer call, while Keras's
-    unseeded dropout (`torch.nn.functional.dropout`) compiles; a layer given a `seed` still
-    breaks the graph (Keras's seeded dropout uses the generator too)."""
+    On CUDA, torch's one fused dropout kernel is faster than these draws' separate kernels;
+    under `torch.compile`, Keras draws seeded random numbers through a `torch.Generator`
+    outside the graph (one graph break per call), while its unseeded dropout
+    (`torch.nn.functional.dropout`) compiles; a layer given a `seed` still breaks the graph
+    (Keras's seeded dropout uses the generator too). Measurements: benchmarks/README.md."""
     if keras.backend.backend() == "tensorflow":
         return all(device.startswith("cpu") for device in keras.distribution.list_devices())
     import torch
@@ -133,6 +111,14 @@ class Dropout(keras.layers.Layer):
     Call arguments:
         inputs: any tensor; its Keras mask passes through.
         training: dropout is applied only when True.
+
+    Returns:
+        A tensor of the inputs' shape and dtype.
+
+    Example:
+
+    >>> Dropout(0.1, seed=0)(np.ones((2, 8), "float32"), training=True).shape
+    (2, 8)
     """
 
     def __init__(self, rate, seed=None, **kwargs):

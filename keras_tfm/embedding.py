@@ -6,7 +6,7 @@ import keras
 from keras import ops
 
 from keras_tfm import masks as masks_lib
-from keras_tfm._checks import check_positive_int
+from keras_tfm._checks import check_positive_int, embed_or_nan, with_quantized_dtypes
 from keras_tfm.positional import (SINUSOIDAL_LAYOUTS, PositionEmbedding,
                                   SinusoidalPositionalEncoding)
 
@@ -21,6 +21,9 @@ class TokenAndPositionEmbedding(keras.layers.Layer):
 
     The padding mask of the model starts here: with `mask_zero=True` the token id `pad_id` (0 by
     default) is padding and the output carries the Keras mask `token_ids != pad_id`.
+
+    A token id outside `[0, vocab_size)` gives a NaN vector on every backend (so a bad id
+    in `fit` shows as a NaN loss); check ids up front with `keras_tfm.check_token_ids`.
 
     The same layer can also map hidden states back to vocabulary logits with its (transposed)
     token embedding matrix — `call(hidden, reverse=True)` — which is how `build_transformer`
@@ -40,6 +43,8 @@ class TokenAndPositionEmbedding(keras.layers.Layer):
         pad_id: the padding token id (MarianMT pads with its last id).
         scale: multiply the token embedding by √d_model before adding positions.
         reverse_bias: add a learned `(vocab_size,)` bias to the logits of `reverse=True`.
+        freeze_pad: keep the `pad_id` row of the token matrix out of training (no gradient
+            reaches it), as torch's `nn.Embedding(padding_idx=...)` and MarianMT do.
         embeddings_initializer: initializer of the token embedding matrix.
         **kwargs: base `Layer` arguments.
 
@@ -60,7 +65,8 @@ class TokenAndPositionEmbedding(keras.layers.Layer):
 
     def __init__(self, vocab_size, d_model, max_length=None, positional="sinusoidal",
                  mask_zero=True, scale=True, embeddings_initializer="uniform", pad_id=0,
-                 positional_layout="interleaved", reverse_bias=False, **kwargs):
+                 positional_layout="interleaved", reverse_bias=False, freeze_pad=False,
+                 **kwargs):
         super().__init__(**kwargs)
         self.vocab_size = check_positive_int("vocab_size", vocab_size)
         self.d_model = check_positive_int("d_model", d_model)
@@ -82,15 +88,19 @@ class TokenAndPositionEmbedding(keras.layers.Layer):
         self.positional_layout = positional_layout
         self.pad_id = pad_id
         self.reverse_bias = bool(reverse_bias)
+        self.freeze_pad = bool(freeze_pad)
         self.mask_zero = bool(mask_zero)
         self.scale = bool(scale)
         self.embeddings_initializer = keras.initializers.get(embeddings_initializer)
         self.supports_masking = True
 
     def build(self, input_shape):
-        self.token_embedding = keras.layers.Embedding(
-            self.vocab_size, self.d_model, embeddings_initializer=self.embeddings_initializer,
-            dtype=self.dtype_policy, name="token_embedding")
+        # Keras's ReversibleEmbedding: its tied reverse projection quantizes with the table.
+        self.token_embedding = keras.layers.ReversibleEmbedding(
+            self.vocab_size, self.d_model, tie_weights=True,
+            embeddings_initializer=self.embeddings_initializer, dtype=self.dtype_policy,
+            name="token_embedding")
+        self.token_embedding.supports_masking = True  # reverse=True passes masked hidden states
         if self.positional == "learned":
             self.position = PositionEmbedding(self.max_length, dtype=self.dtype_policy,
                                               name="position_embedding")
@@ -106,12 +116,14 @@ class TokenAndPositionEmbedding(keras.layers.Layer):
 
     def call(self, inputs, start_index=0, reverse=False):
         if reverse:
-            kernel = ops.cast(ops.convert_to_tensor(self.token_embedding.embeddings), inputs.dtype)
-            logits = ops.matmul(inputs, ops.transpose(kernel))
+            logits = self.token_embedding(inputs, reverse=True)
             if self.reverse_bias:
                 logits = logits + ops.cast(self.logits_bias, logits.dtype)
             return logits
-        x = self.token_embedding(inputs)
+        x = embed_or_nan(self.token_embedding, inputs, self.vocab_size)
+        if self.freeze_pad:  # no gradient reaches the padding row (torch's padding_idx)
+            is_pad = ops.equal(inputs, self.pad_id)[..., None]
+            x = ops.where(is_pad, ops.stop_gradient(x), x)
         if self.scale:
             x = x * ops.cast(math.sqrt(self.d_model), x.dtype)
         return self.position(x, start_index=start_index)
@@ -133,7 +145,7 @@ class TokenAndPositionEmbedding(keras.layers.Layer):
                                  dtype=self.compute_dtype)
 
     def get_config(self):
-        return super().get_config() | {
+        return with_quantized_dtypes(self, super().get_config()) | {
             "vocab_size": self.vocab_size,
             "d_model": self.d_model,
             "max_length": self.max_length,
@@ -141,6 +153,7 @@ class TokenAndPositionEmbedding(keras.layers.Layer):
             "positional_layout": self.positional_layout,
             "pad_id": self.pad_id,
             "reverse_bias": self.reverse_bias,
+            "freeze_pad": self.freeze_pad,
             "mask_zero": self.mask_zero,
             "scale": self.scale,
             "embeddings_initializer": keras.initializers.serialize(self.embeddings_initializer),

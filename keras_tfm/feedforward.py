@@ -2,7 +2,7 @@
 
 import keras
 
-from keras_tfm._checks import clone_initializer
+from keras_tfm._checks import clone_initializer, with_quantized_dtypes
 from keras_tfm._checks import check_dropout, check_positive_int, check_rank
 from keras_tfm.dropout import Dropout
 
@@ -71,7 +71,7 @@ class FeedForward(keras.layers.Layer):
         return input_shape
 
     def get_config(self):
-        return super().get_config() | {
+        return with_quantized_dtypes(self, super().get_config()) | {
             "ff_dim": self.ff_dim,
             "activation": keras.activations.serialize(self.activation),
             "dropout": self.dropout,

@@ -15,6 +15,7 @@ import numpy as np
 from keras import ops
 
 from keras_tfm import masks as masks_lib
+from keras_tfm._checks import check_token_ids
 from keras_tfm.blocks import TransformerDecoderBlock, TransformerEncoderBlock
 from keras_tfm.embedding import TokenAndPositionEmbedding
 
@@ -41,7 +42,7 @@ class Seq2SeqParts:
     * the output projection: the `Dense` layer named `logits`, else the last `Dense` layer; with
       none, the decoder embedding's transposed matrix (tied embeddings).
 
-    `build_transformer` models and models built by hand as in the README have exactly these.
+    `build_transformer` models and models built by hand as in docs/design.md have exactly these.
     Dropout layers are skipped (decoding is inference). The padding id comes from
     `model.special_ids` (0 for a model without one); a decoder whose start id is its padding id
     keeps its first position as a real token (`keep_first`).
@@ -351,17 +352,46 @@ def _resolve_special_ids(model, vocab, start_id, end_id, pad_id):
     return int(start_id), None if end_id is None else int(end_id), int(pad_id)
 
 
+def _source_array(source_tokens, vocab, pad_id):
+    """The sources as int32 `(B, S)`, checked: Python lists of different lengths are
+    right-padded with `pad_id`; ids must lie in the source vocabulary; a source with padding
+    before a real token (left padding) is refused."""
+    if isinstance(source_tokens, (list, tuple)) and all(
+            isinstance(row, (list, tuple, np.ndarray)) for row in source_tokens):
+        rows = [np.asarray(row).reshape(-1) for row in source_tokens]
+        width = max((len(row) for row in rows), default=0)
+        if any(len(row) != width for row in rows):
+            source_tokens = np.full((len(rows), width), pad_id, np.result_type(*rows))
+            for i, row in enumerate(rows):
+                source_tokens[i, :len(row)] = row
+    source_tokens = check_token_ids(source_tokens, vocab, name="source_tokens")
+    if source_tokens.shape[0] == 0:
+        raise ValueError("`source_tokens` must hold at least one source; received shape "
+                         f"{source_tokens.shape}.")
+    is_pad = source_tokens == pad_id
+    padding_first = is_pad[:, :-1] & ~is_pad[:, 1:]
+    if padding_first.any():
+        row = int(np.flatnonzero(padding_first.any(axis=1))[0])
+        raise ValueError(
+            f"`source_tokens` row {row} has padding (id {pad_id}) before a real token: "
+            f"{source_tokens[row].tolist()}. keras_tfm sources are right-padded (the padding at "
+            "the end); with keras.utils.pad_sequences pass padding='post'.")
+    return source_tokens
+
+
 def generate(model, source_tokens, start_id=AUTO, end_id=AUTO, max_length=None, method="greedy",
              beam_size=4, length_penalty=0.6, return_scores=False, batch_size=None,
              verbose=False, pad_id=AUTO):
     """Translate source token ids with a key/value-cached greedy or beam search.
 
     Works on models from `build_transformer` and `from_marian`, and on models built by hand from
-    the keras_tfm blocks as in the README (see `Seq2SeqParts` for how the layers are found).
+    the keras_tfm blocks as in docs/design.md (see `Seq2SeqParts` for how the layers are found).
 
     Args:
         model: the encoder-decoder `keras.Model`.
-        source_tokens: int `(B, S)`, right-padded with the padding id.
+        source_tokens: int `(B, S)`, right-padded with the padding id; a list of sequences of
+            different lengths is right-padded for you. Checked before anything runs: ids in
+            the source vocabulary (`check_token_ids`), no padding before a real token.
         start_id: the `<SOS>` id fed first to the decoder; "auto" takes the model's own
             (`model.special_ids`).
         end_id: the `<EOS>` id; a sequence stops once it produced it. "auto" takes the model's
@@ -418,11 +448,7 @@ def generate(model, source_tokens, start_id=AUTO, end_id=AUTO, max_length=None, 
             f"`beam_size`={beam_size} is too large for a target vocabulary of {vocab}: beam "
             "search draws 2 * beam_size candidates among the non-padding tokens."
         )
-    source_tokens = np.asarray(source_tokens)
-    if source_tokens.ndim != 2 or source_tokens.shape[0] == 0:
-        raise ValueError("`source_tokens` must be int token ids of shape (batch, length); "
-                         f"received shape {source_tokens.shape} (at least one source is needed).")
-    source_tokens = source_tokens.astype("int32")
+    source_tokens = _source_array(source_tokens, parts.encoder_embedding.vocab_size, pad_id)
     stop_id = _NO_END if end_id is None else end_id
 
     if method == "greedy" or beam_size == 1:  # one beam is greedy search

@@ -4,6 +4,7 @@ import keras
 from keras import ops
 
 from keras_tfm import masks as masks_lib
+from keras_tfm._checks import in_vocabulary
 
 
 def _scale_for_replicas(loss):
@@ -34,6 +35,9 @@ class MaskedSparseCategoricalCrossentropy(keras.losses.Loss):
     (times `sample_weight` if given). The Keras mask that the model propagates to its logits
     (the decoder inputs' padding) is deliberately not applied on top: Keras would otherwise
     re-weight the already-masked mean a second time.
+
+    A target id outside `[0, V)` that is not `ignore_class` (e.g. another library's padding
+    -100) makes the loss NaN on every backend, never a finite number.
 
     Label smoothing for sparse targets: the target distribution is
     `(1 − ε) · one_hot(y) + ε / V` over the V classes.
@@ -72,11 +76,17 @@ class MaskedSparseCategoricalCrossentropy(keras.losses.Loss):
         labels = ops.cast(y_true, "int32")
         if self.ignore_class is not None:
             labels = ops.where(ops.equal(labels, self.ignore_class), 0, labels)
+        # A target outside the vocabulary (e.g. another library's -100 padding) gives NaN, so
+        # that the mean loss cannot come out finite.
+        valid = in_vocabulary(labels, ops.shape(log_probs)[-1])
+        labels = ops.where(valid, labels, 0)
         target_log_prob = ops.take_along_axis(log_probs, labels[..., None], axis=-1)[..., 0]
         if self.label_smoothing == 0.0:
-            return -target_log_prob
-        eps = self.label_smoothing
-        return -(1.0 - eps) * target_log_prob - eps * ops.mean(log_probs, axis=-1)
+            losses = -target_log_prob
+        else:
+            eps = self.label_smoothing
+            losses = -(1.0 - eps) * target_log_prob - eps * ops.mean(log_probs, axis=-1)
+        return ops.where(valid, losses, float("nan"))
 
     def __call__(self, y_true, y_pred, sample_weight=None):
         losses = self.call(y_true, y_pred)

@@ -10,6 +10,8 @@ and CTranslate2's converter load. One table, `_weight_map`, names every tensor b
 
 import json
 import os
+import shutil
+import warnings
 
 import keras
 import numpy as np
@@ -28,6 +30,8 @@ _ACTIVATIONS = {"relu": "relu", "gelu": "gelu", "swish": "silu", "silu": "silu"}
 _FIXED = {"normalize_before": False, "normalize_embedding": False, "add_final_layer_norm": False,
           "static_position_embeddings": True, "add_bias_logits": False}
 _WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
+_TOKENIZER_FILES = ("source.spm", "target.spm", "vocab.json", "target_vocab.json",
+                    "tokenizer_config.json", "special_tokens_map.json")
 
 
 def _read_config(path):
@@ -78,7 +82,7 @@ def _model_kwargs(config):
         activation=_ACTIVATIONS[activation], positional_layout="halves",
         scale_embeddings=bool(config["scale_embedding"]), share_embeddings=share,
         tie_embeddings=bool(config["tie_word_embeddings"]), logits_bias=True,
-        layer_norm_epsilon=1e-5, pad_id=config["pad_token_id"],
+        layer_norm_epsilon=1e-5, freeze_pad_embedding=True, pad_id=config["pad_token_id"],
         start_id=config.get("decoder_start_token_id", config["pad_token_id"]),
         end_id=config["eos_token_id"], name="marian",
     )
@@ -258,19 +262,32 @@ def from_marian(path):
     return model
 
 
-def to_marian(model, path, max_position_embeddings=512):
+def _copy_tokenizer(source, destination):
+    present = [name for name in _TOKENIZER_FILES if os.path.isfile(os.path.join(source, name))]
+    if "vocab.json" not in present or "source.spm" not in present:
+        raise ValueError(f"tokenizer_dir={source!r} holds no MarianTokenizer (vocab.json and "
+                         "source.spm are needed).")
+    for name in present:
+        shutil.copyfile(os.path.join(source, name), os.path.join(destination, name))
+
+
+def to_marian(model, path, max_position_embeddings=512, tokenizer_dir=None):
     """Write a keras_tfm model as a Hugging Face MarianMT directory (config + safetensors).
 
-    `transformers.MarianMTModel.from_pretrained(path)` and CTranslate2's converter load the
-    result. The model must have Marian's architecture: a `Seq2SeqTransformer` (e.g. from
-    `from_marian`) with post-LN blocks, sinusoidal positions in the `"halves"` layout, and
-    `start_id` and `end_id` set.
+    `transformers.MarianMTModel.from_pretrained(path)` loads the result, and so does
+    CTranslate2's converter when the directory also holds the tokenizer (`tokenizer_dir`). The
+    model must have Marian's architecture: a `Seq2SeqTransformer` (e.g. from `from_marian`)
+    with post-LN blocks, sinusoidal positions in the `"halves"` layout, and `start_id` and
+    `end_id` set.
 
     Args:
         model: the `Seq2SeqTransformer` to export.
         path: the directory to write (created if needed; files in it are replaced).
         max_position_embeddings: the longest sequence transformers will accept (keras_tfm's
             sinusoidal positions have no limit; Marian's table needs one).
+        tokenizer_dir: a directory whose MarianTokenizer files (`source.spm`, `target.spm`,
+            `vocab.json`, `tokenizer_config.json`, ...) are copied beside the weights, e.g. the
+            opus-mt directory the model came from.
 
     Raises:
         ValueError: the model has options Marian cannot represent (named).
@@ -325,8 +342,16 @@ def to_marian(model, path, max_position_embeddings=512):
                       eos_token_id=c["end_id"], forced_eos_token_id=c["end_id"],
                       bad_words_ids=[[c["pad_id"]]], num_beams=4,
                       max_length=max_position_embeddings)
-    tensors = {name: np.ascontiguousarray(to_hf(np.asarray(keras.ops.convert_to_numpy(variable), "float32")))
+    tensors = {name: np.ascontiguousarray(to_hf(np.asarray(keras.ops.convert_to_numpy(variable),
+                                                           "float32")))
                for name, variable, _, to_hf in _weight_map(model)}
+    embedding = "model.shared.weight" if c["share_embeddings"] else "model.decoder.embed_tokens.weight"
+    if c["start_id"] == c["pad_id"] and np.any(tensors[embedding][c["pad_id"]]):
+        warnings.warn("The padding id's embedding row is not zero. transformers uses it as it is "
+                      "(the decoder starts from that id), but CTranslate2 starts the decoder "
+                      "from a zero vector, so its translations will differ. Fine-tune with "
+                      "freeze_pad_embedding=True (from_marian's default) to keep the row fixed.",
+                      stacklevel=2)
     if c["share_embeddings"]:  # the copies older checkpoints carry; transformers ties them
         for alias in ("model.encoder.embed_tokens.weight", "model.decoder.embed_tokens.weight"):
             tensors[alias] = tensors["model.shared.weight"].copy()
@@ -337,6 +362,8 @@ def to_marian(model, path, max_position_embeddings=512):
     from safetensors.numpy import save_file
 
     os.makedirs(path, exist_ok=True)
+    if tokenizer_dir is not None:
+        _copy_tokenizer(tokenizer_dir, path)
     save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
     for filename, content in (("config.json", config), ("generation_config.json", generation)):
         with open(os.path.join(path, filename), "w") as f:

@@ -13,11 +13,18 @@ The seeds draw the masks the other way round:
 Seed masks are combined by union of the *blocked* positions; ours by AND of the *allowed*
 positions (`merge_masks`), which is the same rule.
 
+Masks that are not boolean are accepted only as 0/1 (1 = may attend), checked on concrete
+values (NumPy, eager tensors); additive (0 / -inf) or negative masks are a ValueError. In a
+traced graph (jit, tf.function) the values cannot be read: a non-boolean mask is taken as
+`mask != 0` unchecked, so convert masks to bool before tracing. A padding mask `(B, S)` goes
+to the keys' Keras mask (`mask=`), never to `attention_mask`.
+
 A query row in which no key is allowed (a fully padded sequence, or padding and causality
 leaving nothing) gives zeros in the attention output; see `keras_tfm.attention`.
 """
 
 import keras
+import numpy as np
 from keras import ops
 
 # Fill values for disallowed scores before the softmax: finite, so a row never becomes all -inf
@@ -111,20 +118,94 @@ def _static_shape(x):
     return tuple(None if d is None else int(d) for d in x.shape)
 
 
-def _check_broadcast(name, shape, expected):
-    """Check that `shape` broadcasts to `expected` (None = unknown, skipped)."""
-    if len(shape) != len(expected):
+def _check_broadcast(name, shape, expected, axes="(batch, query length, key length)",
+                     hint=""):
+    """Check that `shape` broadcasts to `expected` (None = unknown, skipped); a rank-2 `shape`
+    against `expected` of rank 3 is read as (query length, key length)."""
+    if len(shape) == 2 and len(expected) == 3:
+        compared = (1,) + tuple(shape)
+        axes += "; a rank-2 mask is (query length, key length)"
+    else:
+        compared = shape
+    if len(compared) != len(expected):
         raise ValueError(
-            f"`{name}` must have rank {len(expected)}, i.e. shape {_fmt(expected)}; "
-            f"received shape {_fmt(shape)}."
+            f"`{name}` must have rank {len(expected)}, i.e. shape {_fmt(expected)} {axes}; "
+            f"received shape {_fmt(shape)}.{hint}"
         )
-    for got, want in zip(shape, expected):
+    for got, want in zip(compared, expected):
         if got is None or want is None or got == 1 or got == want:
             continue
         raise ValueError(
             f"`{name}` of shape {_fmt(shape)} does not broadcast to the attention shape "
-            f"{_fmt(expected)} (batch, query length, key length)."
+            f"{_fmt(expected)} {axes}.{hint}"
         )
+
+
+_PADDING_HINT = (
+    "a (batch, key length) padding mask goes to the layers' `mask=` (`context_mask=` in "
+    "CrossAttention, `inputs_mask=` / `encoder_outputs_mask=` in TransformerDecoderBlock), or "
+    "comes from `mask_zero=True` in the embedding; in scaled_dot_product_attention it is "
+    "`padding[:, None, :]`."
+)
+_CONVERT_HINT = (
+    "Convert it first: an additive mask m (0 = allowed, -inf = blocked) is `m == 0`; the seeds' "
+    "PAD mask (1 = padding) is `keras_tfm.masks.from_pad_indicator(m)`; " + _PADDING_HINT
+)
+
+
+def _concrete_values(x):
+    """NumPy values of `x`, or None inside a traced graph (jit, tf.function, symbolic)."""
+    if isinstance(x, (np.ndarray, np.generic, list, tuple, bool, int, float)):
+        return np.asarray(x)
+    try:
+        return np.asarray(ops.convert_to_numpy(x))
+    except Exception:  # a tracer or a symbolic tensor: each backend raises its own error
+        return None
+
+
+def to_bool_mask(mask, name="mask"):
+    """`mask` as a bool tensor, True = may attend.
+
+    A bool mask passes unchanged. Any other dtype must hold only 0 and 1 (1 = may attend),
+    checked where the values are concrete; in a traced graph it is cast (`!= 0`) unchecked.
+
+    Raises:
+        ValueError: for concrete values other than 0/1 (additive or negative masks), saying how
+            to convert them.
+    """
+    dtype = mask.dtype if hasattr(mask, "dtype") else np.asarray(mask).dtype
+    if keras.backend.standardize_dtype(dtype) == "bool":
+        return ops.convert_to_tensor(mask)
+    values = _concrete_values(mask)
+    if values is not None and not np.isin(values, (0, 1)).all():
+        odd = np.unique(values[~np.isin(values, (0, 1))])[:4].tolist()
+        raise ValueError(
+            f"`{name}` must be boolean (True = may attend) or hold only 0 and 1 (1 = may "
+            f"attend); received dtype {values.dtype} with values {odd} (an additive or "
+            f"negative mask?). {_CONVERT_HINT}"
+        )
+    return ops.cast(mask, "bool")
+
+
+def check_attention_mask(mask, query, key):
+    """Check a mask of `scaled_dot_product_attention`; return it as bool `(B|1, T|1, S|1)`.
+
+    Args:
+        mask: None, or bool / 0-1 `(B, T, S)` or `(T, S)` (or broadcasting to them).
+        query: `(B, T, H, d)`; key: `(B, S, H, d)`; only their shapes are used.
+
+    Raises:
+        ValueError: when the mask is not 0/1 or does not broadcast to `(B, T, S)`, naming the
+            shape that was passed.
+    """
+    if mask is None:
+        return None
+    mask = to_bool_mask(mask)
+    expected = _static_shape(query)[:2] + _static_shape(key)[1:2]
+    shape = _static_shape(mask)
+    hint = " (" + _PADDING_HINT[0].upper() + _PADDING_HINT[1:-1] + ".)"
+    _check_broadcast("mask", shape, expected, hint=hint)
+    return mask[None] if len(shape) == 2 else mask
 
 
 def _fmt(shape):
@@ -162,15 +243,20 @@ def merge_masks(
     merged = None
     if key_padding_mask is not None:
         _check_broadcast("key padding mask", _static_shape(key_padding_mask),
-                         (batch_size, key_length))
-        merged = ops.cast(key_padding_mask, "bool")[:, None, :]
+                         (batch_size, key_length), "(batch, key length)")
+        merged = to_bool_mask(key_padding_mask, "key padding mask")[:, None, :]
     if attention_mask is not None:
         shape = _static_shape(attention_mask)
+        attention_mask = to_bool_mask(attention_mask, "attention_mask")
         if len(shape) == 2:
+            padding_like = shape[0] == batch_size and shape[1] in (key_length, None)
+            hint = (" It looks like a padding mask, not an `attention_mask`: "
+                    + _PADDING_HINT) if padding_like else ""
+            _check_broadcast("attention_mask", shape, (batch_size, query_length, key_length),
+                             hint=hint)
             attention_mask = attention_mask[None]
-            shape = (1,) + shape
-        _check_broadcast("attention_mask", shape, (batch_size, query_length, key_length))
-        attention_mask = ops.cast(attention_mask, "bool")
+        else:
+            _check_broadcast("attention_mask", shape, (batch_size, query_length, key_length))
         merged = attention_mask if merged is None else ops.logical_and(merged, attention_mask)
     if causal:
         mask = causal_mask(ops.shape(query)[1], ops.shape(key)[1], causal_offset)[None]

@@ -11,6 +11,8 @@ class TransformerSchedule(keras.optimizers.schedules.LearningRateSchedule):
     Linear warm-up for `warmup_steps` steps, then decay as `1/√step`; the peak, at
     `step = warmup_steps`, is `scale · (d_model · warmup_steps)^−0.5`. Keras counts optimizer
     iterations from 0 and the paper counts steps from 1, so iteration `i` uses `step = i + 1`.
+    The default warm-up suits the paper's 100,000-step runs; a job of a few hundred steps needs
+    a warm-up of about its length (README, "Picking the schedule for a small job").
 
     Args:
         d_model: the model width.

@@ -10,7 +10,7 @@ special token ids, so a `.keras` file rebuilds it and `generate` finds its ids.
 import keras
 
 from keras_tfm import masks as masks_lib
-from keras_tfm._checks import check_dropout, check_positive_int
+from keras_tfm._checks import check_dropout, check_positive_int, with_quantized_dtypes
 from keras_tfm.blocks import TransformerDecoderBlock, TransformerEncoderBlock
 from keras_tfm.dropout import Dropout
 from keras_tfm.embedding import TokenAndPositionEmbedding
@@ -66,6 +66,9 @@ class Seq2SeqTransformer(keras.Model):
         logits_bias: with `tie_embeddings`, add a learned bias to the tied projection (an
             untied `logits` Dense layer always has one).
         layer_norm_epsilon: epsilon of every layer normalization.
+        freeze_pad_embedding: keep the padding id's embedding row out of training, as torch's
+            `padding_idx` does (MarianMT; `from_marian` sets it).
+        dtype: the dtype policy of every layer (a `DTypePolicyMap` rebuilds quantized layers).
         pad_id: the padding id of both vocabularies (masks; pass it to the loss and metric as
             `ignore_class`).
         start_id, end_id: the decoder's start and end ids (`generate` uses them by default).
@@ -96,16 +99,18 @@ class Seq2SeqTransformer(keras.Model):
         max_length=None,
         positional="sinusoidal",
         tie_embeddings=False,
+        name="transformer",
         share_embeddings=False,
         positional_layout="interleaved",
         activation="relu",
         scale_embeddings=True,
         logits_bias=False,
         layer_norm_epsilon=1e-5,
+        freeze_pad_embedding=False,
         pad_id=0,
         start_id=None,
         end_id=None,
-        name="transformer",
+        dtype=None,
         **kwargs,
     ):
         check_positive_int("src_vocab_size", src_vocab_size)
@@ -136,15 +141,17 @@ class Seq2SeqTransformer(keras.Model):
             positional_layout=positional_layout, activation=activation,
             scale_embeddings=scale_embeddings, logits_bias=logits_bias,
             layer_norm_epsilon=layer_norm_epsilon, pad_id=pad_id, start_id=start_id,
-            end_id=end_id,
+            end_id=end_id, freeze_pad_embedding=freeze_pad_embedding,
         )
         embedding_kwargs = dict(d_model=d_model, max_length=max_length, positional=positional,
                                 positional_layout=positional_layout, pad_id=pad_id,
-                                scale=scale_embeddings)
+                                scale=scale_embeddings, freeze_pad=freeze_pad_embedding,
+                                dtype=dtype)
         block_kwargs = dict(num_heads=num_heads, ff_dim=ff_dim, dropout=dropout,
                             attention_dropout=attention_dropout,
                             activation_dropout=activation_dropout, activation=activation,
-                            norm_first=norm_first, layer_norm_epsilon=layer_norm_epsilon)
+                            norm_first=norm_first, layer_norm_epsilon=layer_norm_epsilon,
+                            dtype=dtype)
         reverse_bias = bool(tie_embeddings and logits_bias)
 
         encoder_tokens = keras.Input((None,), dtype="int32", name="encoder_tokens")
@@ -161,14 +168,15 @@ class Seq2SeqTransformer(keras.Model):
                                                          reverse_bias=reverse_bias,
                                                          **embedding_kwargs)
         x = source_embedding(encoder_tokens)
-        x = Dropout(dropout, name="encoder_embedding_dropout")(x)
+        x = Dropout(dropout, dtype=dtype, name="encoder_embedding_dropout")(x)
         for i in range(num_encoder_layers):
             x = TransformerEncoderBlock(name=f"encoder_block_{i}", **block_kwargs)(x)
         if norm_first:
-            x = keras.layers.LayerNormalization(epsilon=layer_norm_epsilon, name="encoder_norm")(x)
+            x = keras.layers.LayerNormalization(epsilon=layer_norm_epsilon, dtype=dtype,
+                                                name="encoder_norm")(x)
 
         y = target_embedding(decoder_tokens)
-        y = Dropout(dropout, name="decoder_embedding_dropout")(y)
+        y = Dropout(dropout, dtype=dtype, name="decoder_embedding_dropout")(y)
         decoder_kwargs = {}
         if start_id is not None and start_id == pad_id:
             # The decoder starts from the padding id (MarianMT): its first position is real.
@@ -178,11 +186,12 @@ class Seq2SeqTransformer(keras.Model):
             y = TransformerDecoderBlock(name=f"decoder_block_{i}", **block_kwargs)(
                 y, x, **decoder_kwargs)
         if norm_first:
-            y = keras.layers.LayerNormalization(epsilon=layer_norm_epsilon, name="decoder_norm")(y)
+            y = keras.layers.LayerNormalization(epsilon=layer_norm_epsilon, dtype=dtype,
+                                                name="decoder_norm")(y)
         if tie_embeddings:
             logits = target_embedding(y, reverse=True)
         else:
-            logits = keras.layers.Dense(tgt_vocab_size, name="logits")(y)
+            logits = keras.layers.Dense(tgt_vocab_size, dtype=dtype, name="logits")(y)
         super().__init__([encoder_tokens, decoder_tokens], logits, name=name, **kwargs)
 
     @property
@@ -193,22 +202,29 @@ class Seq2SeqTransformer(keras.Model):
                 if self._model_config[key] is not None}
 
     def get_config(self):
-        return dict(self._model_config, name=self.name, trainable=self.trainable)
+        config = dict(self._model_config, name=self.name, trainable=self.trainable)
+        # After `quantize`: a DTypePolicyMap of the quantized layers, which `__init__` passes
+        # to every layer, so that a file rebuilds them quantized (as keras_hub's backbones).
+        return with_quantized_dtypes(self, config)
 
     @classmethod
     def from_config(cls, config):
+        config = dict(config)
+        if isinstance(config.get("dtype"), dict):
+            config["dtype"] = keras.dtype_policies.get(config["dtype"])
         return cls(**config)
 
 
-def build_transformer(src_vocab_size, tgt_vocab_size, **kwargs):
+def build_transformer(*args, **kwargs):
     """Build the encoder-decoder transformer: a `Seq2SeqTransformer` (a functional `keras.Model`).
 
-    Takes the arguments of `Seq2SeqTransformer`: `d_model=512, num_heads=8, ff_dim=2048,
-    num_encoder_layers=6, num_decoder_layers=6, dropout=0.1, attention_dropout=None,
-    activation_dropout=None, norm_first=False, max_length=None, positional="sinusoidal",
-    tie_embeddings=False, share_embeddings=False, positional_layout="interleaved",
-    activation="relu", scale_embeddings=True, logits_bias=False, layer_norm_epsilon=1e-5,
-    pad_id=0, start_id=None, end_id=None, name="transformer"`.
+    Takes the arguments of `Seq2SeqTransformer`, in its order: `src_vocab_size,
+    tgt_vocab_size, d_model=512, num_heads=8, ff_dim=2048, num_encoder_layers=6,
+    num_decoder_layers=6, dropout=0.1, attention_dropout=None, activation_dropout=None,
+    norm_first=False, max_length=None, positional="sinusoidal", tie_embeddings=False,
+    name="transformer"`, then (by keyword) `share_embeddings`, `positional_layout`,
+    `activation`, `scale_embeddings`, `logits_bias`, `layer_norm_epsilon`,
+    `freeze_pad_embedding`, `pad_id=0`, `start_id=None`, `end_id=None`, `dtype`.
 
     Returns:
         A `keras.Model` mapping `[encoder_tokens (B, S), decoder_tokens (B, T)]` to logits
@@ -222,4 +238,4 @@ def build_transformer(src_vocab_size, tgt_vocab_size, **kwargs):
     >>> model([np.ones((2, 7)), np.ones((2, 5))]).shape
     (2, 5, 120)
     """
-    return Seq2SeqTransformer(src_vocab_size, tgt_vocab_size, **kwargs)
+    return Seq2SeqTransformer(*args, **kwargs)

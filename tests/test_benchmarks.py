@@ -88,3 +88,24 @@ def test_the_per_round_ratio_pairs_each_round():
     assert np.isclose(tt.paired_ratio(times), 1.1)  # median of 1.2, 0.9 and 1.1
     assert np.isclose(tt.paired_ratio(times, peers=("keras_hub",)), 1.5)  # 1.5, 0.9, 2.0
     assert tt.paired_ratio({"keras_tfm": [1.0]}) is None
+
+
+def test_report_remakes_the_attention_and_dropout_tables(tmp_path):
+    import json
+
+    import report
+
+    attention = {"backend": "torch", "date": "2026-01-02", "device": "NVIDIA X", "rows": [
+        {"length": 64, "variant": "keras_tfm_fused", "ms": 2.0, "peak_bytes": 3 * 2**20},
+        {"length": 64, "variant": "keras_tfm_explicit", "ms": 4.0, "peak_bytes": 5 * 2**20},
+        {"length": 64, "variant": "keras_mha", "ms": 2.5, "peak_bytes": None}]}
+    dropout = {"backend": "jax", "date": "2026-01-03",  # no device: an older CPU file
+               "rows": [{"shape": [4, 8], "keras_us": 1500.0, "keras_tfm_us": 500.0}]}
+    for name, r in (("attention_gpu_torch.json", attention), ("dropout_jax.json", dropout)):
+        (tmp_path / name).write_text(json.dumps(r))
+    rows = report.attention_table(str(tmp_path)).splitlines()
+    assert rows[2] == ("| torch | NVIDIA X, 2026-01-02 | float32 | 64 | 2.0 | 4.0 | 2.5 | "
+                       "3 / 5 / – | 0.50 | 0.80 |")
+    rows = report.dropout_table(str(tmp_path)).splitlines()
+    assert rows[2] == "| jax | cpu, 2026-01-03 | (4, 8) | 1,500 | 500 | 3.00× |"
+    assert len(rows) == 3

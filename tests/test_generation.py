@@ -254,3 +254,52 @@ def test_bad_input_is_a_clear_error():
     encoder_only = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
     with pytest.raises(ValueError, match="not a keras_tfm encoder-decoder"):
         generate(encoder_only, src, SOS, EOS, 5)
+
+
+def test_special_ids_come_from_the_model_and_explicit_ones_win():
+    model = small_model(start_id=SOS, end_id=EOS)
+    assert model.special_ids == {"pad_id": 0, "start_id": SOS, "end_id": EOS}
+    src = sources(11)
+    np.testing.assert_array_equal(generate(model, src, max_length=6),
+                                  generate(model, src, SOS, EOS, 6))
+    never_stops = generate(model, src, end_id=None, max_length=6)
+    assert never_stops.shape == (4, 6) and (never_stops != 0).all()
+    np.testing.assert_array_equal(never_stops, generate(model, src, SOS, None, 6))
+    with pytest.raises(ValueError, match="end_id.*must not be the padding id 0.*end_id=None"):
+        generate(model, src, end_id=0, max_length=6)
+    bare = small_model()
+    with pytest.raises(ValueError, match="`start_id` was not given.*no start_id of its own"):
+        generate(bare, src, max_length=6)
+    with pytest.raises(ValueError, match="`end_id` was not given.*end_id=None"):
+        generate(bare, src, start_id=SOS, max_length=6)
+    with pytest.raises(ValueError, match=r"pad_id.*\[0, 22\)"):
+        generate(model, src, max_length=6, pad_id=40)
+
+
+def test_a_model_padding_with_another_id_decodes_as_with_zero():
+    """The same weights, ids permuted so that padding is the last id: the same translation."""
+    zero = small_model()
+    last = build_transformer(20, 22, d_model=32, num_heads=4, ff_dim=64, num_encoder_layers=2,
+                             num_decoder_layers=2, pad_id=19, start_id=SOS, end_id=EOS)
+    source_perm = np.arange(20)
+    source_perm[[0, 19]] = [19, 0]
+    target_perm = np.arange(22)
+    target_perm[[0, 19]] = [19, 0]
+    for a, b in zip(zero.weights, last.weights):
+        value = to_np(a)
+        if a.path.startswith("encoder_embedding") and "token" in a.path:
+            value = value[np.argsort(source_perm)]
+        elif a.path.startswith("decoder_embedding") and "token" in a.path:
+            value = value[np.argsort(target_perm)]
+        elif a.path.startswith("logits"):
+            value = value[..., np.argsort(target_perm)]
+        b.assign(value)
+    src = sources(12)
+    dec = np.concatenate([np.full((4, 1), SOS), src[:, :5]], axis=1) % 22
+    real = dec != 0
+    np.testing.assert_allclose(
+        to_np(last([source_perm[src], target_perm[dec]]))[..., target_perm][real],
+        to_np(zero([src, dec]))[real], atol=1e-5)
+    ours = generate(last, source_perm[src], end_id=None, max_length=7)
+    np.testing.assert_array_equal(ours, target_perm[generate(zero, src, SOS, None, 7)])
+    assert 19 not in ours  # the padding id is never generated

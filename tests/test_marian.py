@@ -35,7 +35,7 @@ def marian_config(**overrides):
     return MarianConfig(**(config | overrides))
 
 
-def write_marian(path, seed=0, **overrides):
+def write_marian(path, seed=0, zero_pad_row=False, **overrides):
     """A MarianMTModel with random weights large enough to give varied tokens (the default
     init, std 0.02, decodes one repeated token), a non-zero final_logits_bias, saved to path."""
     torch.manual_seed(seed)
@@ -45,6 +45,9 @@ def write_marian(path, seed=0, **overrides):
             if "layer_norm" not in name and "embed_positions" not in name:  # (fixed sinusoids)
                 parameter.normal_(0.0, 0.1)
         model.final_logits_bias.normal_(0.0, 0.1)
+        if zero_pad_row:  # as real checkpoints have it (torch's padding_idx)
+            for embedding in (model.get_input_embeddings(), model.get_decoder().embed_tokens):
+                embedding.weight[model.config.pad_token_id] = 0.0
     model.save_pretrained(path)
     return model
 
@@ -164,7 +167,8 @@ def test_a_model_trained_in_keras_exports_to_marian(tmp_path):
     loss = keras_tfm.MaskedSparseCategoricalCrossentropy(ignore_class=VOCAB - 1)
     model.compile(keras.optimizers.Adam(1e-2), loss=loss, **jit_options())
     model.fit([src, dec], src[:, :5], epochs=2, verbose=0)
-    keras_tfm.to_marian(model, str(tmp_path))
+    with pytest.warns(UserWarning, match="padding id's embedding row is not zero.*CTranslate2"):
+        keras_tfm.to_marian(model, str(tmp_path))
     hf = MarianMTModel.from_pretrained(str(tmp_path)).eval()
     # transformers masks no decoder padding: compare the real decoder positions.
     real = dec != VOCAB - 1
@@ -177,8 +181,9 @@ def test_a_model_trained_in_keras_exports_to_marian(tmp_path):
             num_decoder_layers=1, norm_first=True, start_id=1, end_id=2), str(tmp_path / "x"))
 
 
-def test_fine_tune_save_and_load_keep_predictions(tmp_path):
-    hf = write_marian(tmp_path, **CONFIGS["shared_tied_swish"])
+@pytest.mark.parametrize("name", ["shared_tied_swish", "separate_untied_gelu"])
+def test_fine_tune_save_and_load_keep_predictions(tmp_path, name):
+    hf = write_marian(tmp_path, **CONFIGS[name])
     pad = hf.config.pad_token_id
     model = keras_tfm.from_marian(str(tmp_path))
     src = sources(pad, seed=6)
@@ -187,7 +192,15 @@ def test_fine_tune_save_and_load_keep_predictions(tmp_path):
     loss = keras_tfm.MaskedSparseCategoricalCrossentropy(ignore_class=model.special_ids["pad_id"])
     model.compile(keras.optimizers.Adam(1e-2), loss=loss,
                   metrics=[keras_tfm.MaskedAccuracy(ignore_class=pad)], **jit_options())
+    table = lambda: to_np(keras_tfm.Seq2SeqParts.from_model(  # noqa: E731
+        model).decoder_embedding.token_embedding.embeddings)
+    before = table()
     history = model.fit([src, dec], targets, epochs=15, verbose=0).history
+    # As torch's padding_idx: the lookup of the padding id (the decoder's start) sends no
+    # gradient to its row; a tied output projection still does (in transformers too).
+    changed = np.abs(table() - before).max(axis=1) > 0
+    assert changed[pad] == CONFIGS[name].get("tie_word_embeddings", True)
+    assert changed[src[0, 0]]
     assert np.isfinite(history["loss"]).all() and history["loss"][-1] < 0.5 * history["loss"][0]
     assert history["masked_accuracy"][-1] > history["masked_accuracy"][0]
     model.save(tmp_path / "tuned.keras")

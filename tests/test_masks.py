@@ -91,3 +91,12 @@ def test_mask_fill_value_fits_float16():
     scores32 = ops.convert_to_tensor(np.array([[-1e5, 0.0]], "float32"))
     filled32 = to_np(masks.apply_to_scores(scores32, np.array([[True, False]])))
     assert filled32[0, 1] < -1e8 and to_np(ops.softmax(filled32))[0, 0] == 1.0
+
+
+def test_padding_mask_with_a_start_token_that_is_the_padding_id():
+    # MarianMT pads with its last id and starts the decoder from it: position 0 stays real.
+    tokens = np.array([[9, 4, 5, 9], [9, 9, 9, 9]])
+    np.testing.assert_array_equal(to_np(masks.padding_mask(tokens, pad_id=9, keep_first=True)),
+                                  [[True, True, True, False], [True, False, False, False]])
+    np.testing.assert_array_equal(to_np(masks.padding_mask(tokens, pad_id=9)),
+                                  [[False, True, True, False], [False] * 4])

@@ -110,3 +110,53 @@ def test_position_embedding_too_long_is_a_clear_error():
         PositionEmbedding(sequence_length=0)
     with pytest.raises(ValueError, match="rank 3"):
         PositionEmbedding(sequence_length=4)(np.zeros((1, 5), "float32"))
+
+
+def np_marian_table(n_pos, dim):
+    """MarianMT's table, written as transformers writes it (sines first, then cosines)."""
+    angles = np.array([[pos / np.power(10000, 2 * (j // 2) / dim) for j in range(dim)]
+                       for pos in range(n_pos)])
+    sentinel = dim // 2 + dim % 2
+    out = np.empty((n_pos, dim))
+    out[:, :sentinel] = np.sin(angles[:, 0::2])
+    out[:, sentinel:] = np.cos(angles[:, 1::2])
+    return out
+
+
+@pytest.mark.parametrize("width", [8, 7])
+def test_halves_layout_is_marians_table(width):
+    layer = SinusoidalPositionalEncoding(layout="halves")
+    out = to_np(layer(np.zeros((1, 50, width), "float32")))[0]
+    np.testing.assert_allclose(out, np_marian_table(50, width), atol=2e-5)
+    # The same numbers as the interleaved layout, in another channel order.
+    interleaved = to_np(SinusoidalPositionalEncoding()(np.zeros((1, 50, width), "float32")))[0]
+    order = list(range(0, width, 2)) + list(range(1, width, 2))
+    np.testing.assert_allclose(out, interleaved[:, order], atol=1e-6)
+    chunk = to_np(layer(np.zeros((1, 5, width), "float32"), start_index=45))[0]
+    np.testing.assert_allclose(chunk, out[45:], atol=1e-5)
+    clone = assert_config_round_trip(layer)
+    assert clone.layout == "halves"
+    with pytest.raises(ValueError, match="layout.*'sideways'"):
+        SinusoidalPositionalEncoding(layout="sideways")
+
+
+def test_embedding_pad_id_layout_and_reverse_bias():
+    from keras_tfm import TokenAndPositionEmbedding
+    from keras_tfm.masks import keras_mask as mask_of
+
+    layer = TokenAndPositionEmbedding(12, 8, pad_id=11, positional_layout="halves",
+                                      reverse_bias=True, scale=False)
+    tokens = np.array([[3, 4, 11, 11]])
+    out = layer(tokens)
+    np.testing.assert_array_equal(to_np(mask_of(out)), [[True, True, False, False]])
+    table = to_np(layer.token_embedding.embeddings)
+    np.testing.assert_allclose(to_np(out)[0], table[tokens[0]] + np_marian_table(4, 8), atol=1e-5)
+    layer.logits_bias.assign(np.arange(12, dtype="float32"))
+    hidden = np.random.default_rng(0).normal(size=(1, 2, 8)).astype("float32")
+    np.testing.assert_allclose(to_np(layer(hidden, reverse=True)),
+                               hidden @ table.T + np.arange(12), atol=1e-5)
+    assert_config_round_trip(layer)
+    with pytest.raises(ValueError, match=r"pad_id.*\[0, 12\).*pad_id=12"):
+        TokenAndPositionEmbedding(12, 8, pad_id=12)
+    with pytest.raises(ValueError, match="positional_layout"):
+        TokenAndPositionEmbedding(12, 8, positional_layout="odd")

@@ -21,6 +21,8 @@ sys.path.insert(0, EXAMPLES)
 import toy_data  # noqa: E402
 import translate_pretrained  # noqa: E402
 
+import keras_tfm  # noqa: E402
+
 SENTENCES = ["a b 3 c", "d 5 5 a b", "8 c"]
 
 
@@ -53,6 +55,7 @@ def marian_dir(tmp_path_factory):
         for name, parameter in model.named_parameters():
             if "layer_norm" not in name and "embed_positions" not in name:
                 parameter.normal_(0.0, 0.1)
+        model.get_input_embeddings().weight[config.pad_token_id] = 0.0  # as torch initialises it
     model.save_pretrained(path)
     return path
 
@@ -95,3 +98,26 @@ def test_example_command_line_prints_translations_and_scores(marian_dir, tmp_pat
     assert lines[-1] == f"BLEU {bleu:.2f}  chrF 100.00  (3 sentences)"
     with pytest.raises(ValueError, match="3 translations but 2 references"):
         translate_pretrained.score(translations, translations[:2])
+
+
+def test_an_export_with_its_tokenizer_converts_to_ctranslate2(marian_dir, tmp_path):
+    """to_marian(..., tokenizer_dir=) writes what CTranslate2's converter reads; its greedy
+    translation of the exported weights equals keras_tfm's."""
+    import ctranslate2
+
+    model, tokenizer = translate_pretrained.load(str(marian_dir))
+    export = tmp_path / "export"
+    keras_tfm.to_marian(model, str(export), tokenizer_dir=str(marian_dir))
+    ctranslate2.converters.TransformersConverter(str(export)).convert(str(tmp_path / "ct2"))
+    translator = ctranslate2.Translator(str(tmp_path / "ct2"), device="cpu")
+    ids = tokenizer(SENTENCES, padding=True, return_tensors="np")["input_ids"]
+    pieces = [tokenizer.convert_ids_to_tokens([t for t in row if t != tokenizer.pad_token_id])
+              for row in ids]
+    results = translator.translate_batch(pieces, beam_size=1, max_decoding_length=10)
+    theirs = [tokenizer.convert_tokens_to_ids(r.hypotheses[0]) for r in results]
+    ours = keras_tfm.generate(model, ids, max_length=10)
+    for mine, other in zip(ours, theirs):
+        mine = [t for t in mine.tolist() if t not in (0, tokenizer.pad_token_id)]
+        assert mine == other
+    with pytest.raises(ValueError, match="holds no MarianTokenizer"):
+        keras_tfm.to_marian(model, str(tmp_path / "x"), tokenizer_dir=str(tmp_path))
