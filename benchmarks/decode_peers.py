@@ -11,8 +11,9 @@ process, on the same sources (random ids ending with </s>). Cells: batch 1 and 1
 16 beam 4 (and 64 greedy with `--batch64`), each exactly 32 new tokens (transformers
 `min_new_tokens`, CTranslate2 `min_decoding_length`, keras_tfm `end_id=None`), median of
 `--repeats` after a warm-up; and the stream cell, run first in each process: `--stream` sources
-of random lengths 5-60, one call each, wall time with compilation. Greedy tokens of a mixed-length
-batch (natural end) are compared across engines. Results: results/decode_peers.json and .png.
+of random lengths 5-60, one call each, wall time with compilation (`--no-length-buckets`:
+keras_tfm compiles once per source length). Greedy tokens of a mixed-length batch (natural end)
+are compared across engines. Results: results/decode_peers.json and .png.
 """
 
 import argparse
@@ -129,7 +130,7 @@ def count(rows, pad):
     return sum(sum(1 for t in row if t != pad) for row in rows)
 
 
-def make_engine(name, model_dir, ct2_dir):
+def make_engine(name, model_dir, ct2_dir, length_buckets="auto"):
     """`translate(batch, beam, forced)` -> token lists for one engine (loaded here)."""
     from transformers import AutoConfig
 
@@ -177,14 +178,16 @@ def make_engine(name, model_dir, ct2_dir):
         def translate(batch, beam, forced):
             return keras_tfm.generate(model, pad_batch(batch, pad), max_length=NEW_TOKENS,
                                       method="beam" if beam > 1 else "greedy", beam_size=beam,
-                                      end_id=None if forced else "auto")
+                                      end_id=None if forced else "auto",
+                                      length_buckets=length_buckets)
     return translate, pad
 
 
-def run_engine(name, model_dir, ct2_dir, stream=30, repeats=3, batch64=False):
+def run_engine(name, model_dir, ct2_dir, stream=30, repeats=3, batch64=False,
+               length_buckets="auto"):
     """One engine's cells: seconds, tokens/s, and its greedy tokens for the check."""
     start = time.perf_counter()
-    translate, pad = make_engine(name, model_dir, ct2_dir)
+    translate, pad = make_engine(name, model_dir, ct2_dir, length_buckets)
     load_s = time.perf_counter() - start
     fixed, stream_sources, check = sources(pad + 1, stream)
     result = {"engine": name, "load_s": load_s, "cells": {}}
@@ -284,12 +287,15 @@ def main():
     parser.add_argument("--stream", type=int, default=30, help="sources in the stream cell")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--batch64", action="store_true", help="add the batch 64 greedy cell")
+    parser.add_argument("--no-length-buckets", action="store_true",
+                        help="keras_tfm without source-length buckets (length_buckets=None)")
     parser.add_argument("--output-dir", default=RESULTS)
     parser.add_argument("--engine", choices=ENGINES, help=argparse.SUPPRESS)  # internal: one
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
     parser.add_argument("--json", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    options = dict(stream=args.stream, repeats=args.repeats, batch64=args.batch64)
+    options = dict(stream=args.stream, repeats=args.repeats, batch64=args.batch64,
+                   length_buckets=None if args.no_length_buckets else "auto")
     if args.engine:
         os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
         result = run_engine(args.engine, args.model_dir, os.path.join(args.model_dir, "ct2"),
@@ -306,7 +312,8 @@ def main():
             out = os.path.join(model_dir, f"{name}.json")
             command = [sys.executable, __file__, "--engine", name, "--model-dir", model_dir,
                        "--json", out, "--stream", str(args.stream), "--repeats",
-                       str(args.repeats)] + (["--batch64"] if args.batch64 else [])
+                       str(args.repeats)] + (["--batch64"] if args.batch64 else []) + (
+                           ["--no-length-buckets"] if args.no_length_buckets else [])
             subprocess.run(command, check=True)
             with open(out) as f:
                 results[name] = json.load(f)
@@ -317,7 +324,8 @@ def main():
     print("greedy tokens equal to transformers' (rows):",
           {n: f"{c['equal_rows']}/{c['rows']}" for n, c in check.items()})
     os.makedirs(args.output_dir, exist_ok=True)
-    stem = os.path.join(args.output_dir, "decode_peers" + ("_small" if args.small else ""))
+    stem = os.path.join(args.output_dir, "decode_peers" + ("_small" if args.small else "")
+                        + ("_no_buckets" if args.no_length_buckets else ""))
     versions = {}
     for package in ("keras", "jax", "tensorflow", "torch", "transformers", "ctranslate2"):
         try:
