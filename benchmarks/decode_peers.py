@@ -183,6 +183,59 @@ def make_engine(name, model_dir, ct2_dir, length_buckets="auto"):
     return translate, pad
 
 
+def matmul_floor(shape, cells, repeats=3):
+    """Seconds of the matmuls alone of each cell, on this Keras backend: the encoder's and the
+    cross-attention keys'/values' projections of batch × 24 source tokens, then 32 decoder steps
+    (batch × beam rows: 6 d×d projections and the feed-forward pair per layer, the logits), with
+    distinct weights of the model's sizes (they stream from memory as the model's do), compiled
+    as generate is (jax.jit, tf.function; torch eager). No attention, softmax or search."""
+    import keras
+    from keras import ops
+
+    d, ff, layers = shape["d_model"], shape["ff"], shape["layers"]
+    rng = np.random.default_rng(1)
+
+    def weights(shapes):
+        return [ops.convert_to_tensor(rng.standard_normal(s, dtype=np.float32) * 0.02)
+                for s in shapes]
+
+    source_w = weights(([(d, d)] * 4 + [(d, ff), (ff, d)]) * layers + [(d, d)] * 2 * layers)
+    step_w = weights(([(d, d)] * 6 + [(d, ff), (ff, d)]) * layers + [(d, shape["vocab"])])
+
+    def chain(x, ws):
+        for w in ws:
+            x = ops.matmul(x, w)
+        return x
+
+    backend = keras.backend.backend()
+    if backend == "jax":
+        import jax
+
+        chain = jax.jit(chain)
+    elif backend == "tensorflow":
+        import tensorflow as tf
+
+        chain = tf.function(chain)
+    else:
+        import torch
+
+        chain = torch.no_grad()(chain)
+
+    def seconds(rows, ws, calls):
+        x = ops.convert_to_tensor(rng.standard_normal((rows, d), dtype=np.float32))
+        ops.convert_to_numpy(chain(x, ws))  # warm-up: compilation
+        times = []
+        for _ in range(calls):
+            start = time.perf_counter()
+            ops.convert_to_numpy(chain(x, ws))
+            times.append(time.perf_counter() - start)
+        return statistics.median(times)
+
+    return {cell: seconds(batch * SOURCE_LENGTH, source_w, repeats)
+            + NEW_TOKENS * seconds(batch * beam, step_w, 3 * repeats)
+            for cell, batch, beam in cells}
+
+
 def run_engine(name, model_dir, ct2_dir, stream=30, repeats=3, batch64=False,
                length_buckets="auto"):
     """One engine's cells: seconds, tokens/s, and its greedy tokens for the check."""
@@ -198,7 +251,8 @@ def run_engine(name, model_dir, ct2_dir, stream=30, repeats=3, batch64=False,
     result["cells"][STREAM] = {"seconds": [seconds], "new_tokens": new_tokens,
                                "tokens_per_s": new_tokens / seconds}
 
-    for cell, batch, beam in CELLS + ((BATCH64,) if batch64 else ()):
+    cells = CELLS + ((BATCH64,) if batch64 else ())
+    for cell, batch, beam in cells:
         new_tokens = count(translate(fixed[:batch], beam, True), pad)  # and warm-up
         times = []
         for _ in range(repeats):
@@ -209,6 +263,14 @@ def run_engine(name, model_dir, ct2_dir, stream=30, repeats=3, batch64=False,
         result["cells"][cell] = {"seconds": times, "new_tokens": new_tokens,
                                  "tokens_per_s": new_tokens / median}
     result["greedy_tokens"] = cut(translate(check, 1, False), pad)
+    if name in KERAS_ENGINES:
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(model_dir)
+        shape = dict(d_model=config.d_model, ff=config.encoder_ffn_dim,
+                     layers=config.decoder_layers, vocab=config.vocab_size)
+        for cell, floor in matmul_floor(shape, cells, repeats).items():
+            result["cells"][cell]["matmul_floor_s"] = floor
     return result
 
 
@@ -254,6 +316,17 @@ def table(results):
         lines += ["", "| ratio | " + " | ".join(cells) + " |", "|---" * (len(cells) + 1) + "|"]
         lines += [f"| {pair} | " + " | ".join(f"{r[c]:.2f}×" for c in cells) + " |"
                   for pair, r in pairs.items()]
+    floors = [n for n in KERAS_ENGINES if n in results]
+    fixed = [c for c in cells if c != STREAM]
+    if floors and all("matmul_floor_s" in results[n]["cells"][c] for n in floors for c in fixed):
+        lines += ["", "| seconds ÷ matmul floor | " + " | ".join(fixed) + " |",
+                  "|---" * (len(fixed) + 1) + "|"]
+        for n in floors:
+            cell = results[n]["cells"]
+            lines.append(f"| {n} | " + " | ".join(
+                f"{statistics.median(cell[c]['seconds']):.3f} s ÷ {cell[c]['matmul_floor_s']:.3f}"
+                f" s = {statistics.median(cell[c]['seconds']) / cell[c]['matmul_floor_s']:.1f}×"
+                for c in fixed) + " |")
     return "\n".join(lines)
 
 

@@ -33,6 +33,9 @@ def test_engines_count_their_tokens_and_agree(model_dir):
         for name, batch, _ in dp.CELLS:
             assert cells[name]["new_tokens"] == batch * dp.NEW_TOKENS
             assert len(cells[name]["seconds"]) == 1 and cells[name]["tokens_per_s"] > 0
+    keras_cells = results[names[-1]]["cells"]
+    assert all(keras_cells[name]["matmul_floor_s"] > 0 for name, _, _ in dp.CELLS)
+    assert "seconds ÷ matmul floor" in dp.table(results)
     check = dp.agreement(results)
     assert {name: c["equal_rows"] for name, c in check.items()} == dict.fromkeys(names, 16)
     # The check is not trivial: the rows differ and vary along the way.
