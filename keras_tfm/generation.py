@@ -322,6 +322,36 @@ def _compile(model, search):
     return search
 
 
+_MAX_COMPILED = 8  # compiled searches kept per model (settings), least recently used dropped
+
+
+def _bucket_sources(source_tokens, length_buckets, pad_id, encoder_embedding):
+    """The sources right-padded with `pad_id` to the smallest bucket that holds them, so that a
+    compiled search (JAX jit, tf.function) retraces once per bucket, not per source length.
+    Padding is masked, so the tokens cannot change. "auto": powers of two from 8 where the
+    search is compiled, none under PyTorch (eager: padding would only add work). No bucket
+    exceeds a learned position table; a source longer than every bucket stays as it is.
+    """
+    auto = isinstance(length_buckets, str) and length_buckets == AUTO
+    if not auto and length_buckets is not None and not (
+            isinstance(length_buckets, (list, tuple)) and length_buckets
+            and all(isinstance(b, int) and not isinstance(b, bool) and b > 0
+                    for b in length_buckets)
+            and list(length_buckets) == sorted(set(length_buckets))):
+        raise ValueError('`length_buckets` must be "auto", None or an increasing sequence of '
+                         f"positive ints; received length_buckets={length_buckets!r}.")
+    if auto and keras.backend.backend() in ("jax", "tensorflow"):
+        length_buckets = [2 ** n for n in range(3, 31)]
+    elif auto or length_buckets is None:
+        return source_tokens
+    width = source_tokens.shape[1]
+    limit = encoder_embedding.max_length if encoder_embedding.positional == "learned" else None
+    fits = [b for b in length_buckets if b >= width and (limit is None or b <= limit)]
+    if not fits:
+        return source_tokens
+    return np.pad(source_tokens, ((0, 0), (0, min(fits) - width)), constant_values=pad_id)
+
+
 def _resolve_special_ids(model, vocab, start_id, end_id, pad_id, needs_start=True):
     """The start, end and padding ids of one `generate` call: explicit arguments win; "auto"
     takes the model's own (`model.special_ids`; padding defaults to 0). A language model
@@ -390,7 +420,8 @@ def _source_array(source_tokens, vocab, pad_id):
 
 def generate(model, source_tokens, start_id=AUTO, end_id=AUTO, max_length=None, method="greedy",
              beam_size=4, length_penalty=0.6, return_scores=False, batch_size=None,
-             verbose=False, pad_id=AUTO, temperature=1.0, top_k=None, top_p=1.0, seed=None):
+             verbose=False, pad_id=AUTO, temperature=1.0, top_k=None, top_p=1.0, seed=None,
+             length_buckets=AUTO):
     """Translate source token ids, or continue prompts, with a key/value-cached greedy search,
     beam search or sampling.
 
@@ -430,6 +461,11 @@ def generate(model, source_tokens, start_id=AUTO, end_id=AUTO, max_length=None, 
             probability (after `top_k`) reaches `top_p`; 1 keeps every token.
         seed: int seed of the draws (NumPy uniforms passed to the compiled search: the same
             seed gives the same tokens on every call); None draws a fresh seed.
+        length_buckets: source lengths the sources are right-padded up to (the smallest that
+            holds them), so that JAX and TensorFlow compile the search once per bucket rather
+            than once per source length; the padding is masked and cannot change the tokens.
+            "auto": 8, 16, 32, 64, ... under JAX and TensorFlow, none under PyTorch; None: no
+            padding; or an increasing sequence of positive ints.
 
     Returns:
         NumPy int32 tokens `(B, L)` with `L ≤ max_length` (the longest sequence; no `<SOS>`,
@@ -468,6 +504,8 @@ def generate(model, source_tokens, start_id=AUTO, end_id=AUTO, max_length=None, 
             "search draws 2 * beam_size candidates among the non-padding tokens."
         )
     source_tokens = _source_array(source_tokens, parts.encoder_embedding.vocab_size, pad_id)
+    source_tokens = _bucket_sources(source_tokens, length_buckets, pad_id,
+                                    parts.encoder_embedding)
     stop_id = _NO_END if end_id is None else end_id
 
     inputs = [source_tokens]
@@ -497,9 +535,10 @@ def _run_in_chunks(model, key, search, inputs, batch_size, verbose, pad_id, retu
     """Compile `search` once per `key`, run it on chunks of the NumPy `inputs` (rows along the
     first axis) and return the tokens, cut after the longest sequence, and the scores."""
     compiled = _COMPILED.setdefault(model, {})
-    if key not in compiled:
-        compiled[key] = _compile(model, search)
-    run = compiled[key]
+    run = compiled.pop(key, None) or _compile(model, search)
+    compiled[key] = run  # the most recently used last
+    while len(compiled) > _MAX_COMPILED:
+        del compiled[next(iter(compiled))]
 
     chunk = batch_size or len(inputs[0])
     starts = range(0, len(inputs[0]), chunk)

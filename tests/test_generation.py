@@ -303,3 +303,64 @@ def test_a_model_padding_with_another_id_decodes_as_with_zero():
     ours = generate(last, source_perm[src], end_id=None, max_length=7)
     np.testing.assert_array_equal(ours, target_perm[generate(zero, src, SOS, None, 7)])
     assert 19 not in ours  # the padding id is never generated
+
+
+@pytest.mark.parametrize("method", ["greedy", "beam"])
+def test_length_buckets_pad_the_sources_without_changing_tokens(method):
+    """Sources right-padded to a bucket decode the same tokens and scores: padding is masked."""
+    model = small_model()
+    for length in (3, 6, 9):
+        src = sources(20 + length, batch=3, length=length)
+        plain = generate(model, src, SOS, EOS, 7, method=method, beam_size=2,
+                         return_scores=True, length_buckets=None)
+        for buckets in ("auto", (4, 16), [32]):
+            tokens, scores = generate(model, src, SOS, EOS, 7, method=method, beam_size=2,
+                                      return_scores=True, length_buckets=buckets)
+            np.testing.assert_array_equal(tokens, plain[0])
+            np.testing.assert_allclose(scores, plain[1], atol=1e-5)
+
+
+def test_one_compilation_per_length_bucket(monkeypatch):
+    model = small_model()
+    traces = []
+    original = generation._greedy_search
+    monkeypatch.setattr(generation, "_greedy_search",
+                        lambda parts, source, *args: traces.append(source.shape[1])
+                        or original(parts, source, *args))
+    for length in (3, 5, 8, 9, 12):  # buckets 8, 8, 8, 16, 16
+        generate(model, sources(length, batch=3, length=length), SOS, EOS, 4)
+    if BACKEND in ("jax", "tensorflow"):
+        assert traces == [8, 16]
+    else:  # torch runs eagerly: no compilation to save, no padding ("auto")
+        assert traces == [3, 5, 8, 9, 12]
+
+
+def test_bucket_padding_and_its_limits():
+    model = small_model()
+    embedding = Seq2SeqParts.from_model(model).encoder_embedding
+    src = sources(30, batch=3, length=9)
+    padded = generation._bucket_sources(src, (4, 16, 32), 0, embedding)
+    assert padded.shape == (3, 16)
+    np.testing.assert_array_equal(padded[:, :9], src)
+    assert (padded[:, 9:] == 0).all()
+    assert generation._bucket_sources(src, (4, 8), 0, embedding) is src  # longer than all
+    assert generation._bucket_sources(src, None, 0, embedding) is src
+    learned = Seq2SeqParts.from_model(small_model(positional="learned", max_length=12))
+    assert generation._bucket_sources(src, (16,), 0, learned.encoder_embedding) is src
+    assert generation._bucket_sources(src, (10, 16), 0, learned.encoder_embedding).shape == (
+        3, 10)
+    for bad in ((16, 8), (0, 8), "powers", (8.0,), ()):
+        with pytest.raises(ValueError, match="length_buckets.*increasing sequence"):
+            generate(model, src, SOS, EOS, 3, length_buckets=bad)
+
+
+def test_the_compile_cache_per_model_is_bounded():
+    model = small_model()
+    src = sources(31, batch=3, length=4)
+    for max_length in range(1, 12):
+        generate(model, src, SOS, EOS, max_length)
+    kept = generation._COMPILED[model]
+    assert len(kept) == generation._MAX_COMPILED
+    assert [key[-1] for key in kept] == list(range(4, 12))  # the most recently used
+    generate(model, src, SOS, EOS, 5)  # a hit moves to the end
+    assert list(kept)[-1][-1] == 5 and len(kept) == generation._MAX_COMPILED

@@ -1,0 +1,419 @@
+"""Decoding speed against the engines people deploy: transformers and CTranslate2, same weights.
+
+    python benchmarks/decode_peers.py                   # opus-mt-base shape, every engine
+    python benchmarks/decode_peers.py --stream 100 --batch64
+    python benchmarks/decode_peers.py --small           # a tiny shape (the tests use it)
+
+One MarianMTModel with random weights is saved once to a temporary directory and loaded into
+transformers (PyTorch), CTranslate2 (`TransformersConverter`; float32 and int8 compute) and
+keras_tfm (`from_marian`) under JAX, TensorFlow and PyTorch; every engine runs in its own
+process, on the same sources (random ids ending with </s>). Cells: batch 1 and 16 greedy, batch
+16 beam 4 (and 64 greedy with `--batch64`), each exactly 32 new tokens (transformers
+`min_new_tokens`, CTranslate2 `min_decoding_length`, keras_tfm `end_id=None`), median of
+`--repeats` after a warm-up; and the stream cell, run first in each process: `--stream` sources
+of random lengths 5-60, one call each, wall time with compilation (`--no-length-buckets`:
+keras_tfm compiles once per source length). Greedy tokens of a mixed-length batch (natural end)
+are compared across engines. Results: results/decode_peers.json and .png.
+"""
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import types
+
+import numpy as np
+
+SHAPES = {  # base: opus-mt's shape and layout (one matrix for both embeddings and the logits)
+    "base": dict(d_model=512, heads=8, ff=2048, layers=6, vocab=32000, tied=True),
+    # small: untied logits, as random tied weights decode one repeated token; here they vary.
+    "small": dict(d_model=16, heads=2, ff=32, layers=2, vocab=64, tied=False),
+}
+KERAS_ENGINES = ("keras_tfm-jax", "keras_tfm-tensorflow", "keras_tfm-torch")
+PEERS = ("transformers", "ctranslate2-float32", "ctranslate2-int8")
+ENGINES = PEERS + KERAS_ENGINES
+NEW_TOKENS, SOURCE_LENGTH, STREAM_LENGTHS = 32, 24, (5, 60)
+EOS = 0  # Marian: </s> = 0, <unk> = 1, <pad> = the last id
+# (name, batch, beam): the fixed-shape cells.
+CELLS = (("batch 1, greedy", 1, 1), ("batch 16, greedy", 16, 1), ("batch 16, beam 4", 16, 4))
+BATCH64 = ("batch 64, greedy", 64, 1)
+STREAM = "stream, one call each"
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+
+def vocabulary(size):
+    return ["</s>", "<unk>"] + [f"▁t{i}" for i in range(2, size - 1)] + ["<pad>"]
+
+
+def write_model(path, shape, seed=0):
+    """A MarianMTModel with random weights (std 0.1; the default init decodes one repeated
+    token), the padding row of the embeddings zero (CTranslate2 starts the decoder from a
+    zero embedding where transformers embeds the padding id), saved to path."""
+    import torch
+    from transformers import MarianConfig, MarianMTModel
+
+    vocab = shape["vocab"]
+    config = MarianConfig(
+        vocab_size=vocab, decoder_vocab_size=vocab, d_model=shape["d_model"],
+        encoder_layers=shape["layers"], decoder_layers=shape["layers"],
+        encoder_attention_heads=shape["heads"], decoder_attention_heads=shape["heads"],
+        encoder_ffn_dim=shape["ff"], decoder_ffn_dim=shape["ff"], max_position_embeddings=512,
+        pad_token_id=vocab - 1, decoder_start_token_id=vocab - 1, eos_token_id=EOS,
+        forced_eos_token_id=None, activation_function="swish", scale_embedding=True,
+        dropout=0.0, tie_word_embeddings=shape["tied"])
+    torch.manual_seed(seed)
+    model = MarianMTModel(config).eval()
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "layer_norm" not in name and "embed_positions" not in name:
+                parameter.normal_(0.0, 0.1)
+        for embedding in (model.model.shared, model.model.encoder.embed_tokens,
+                          model.model.decoder.embed_tokens):  # (separate when untied)
+            embedding.weight[vocab - 1] = 0.0
+        model.final_logits_bias.normal_(0.0, 0.1)
+    model.save_pretrained(path)
+    return model
+
+
+def convert_ctranslate2(model_dir, output_dir):
+    """CTranslate2's converter, with the tokenizer it reads replaced by the vocabulary alone
+    (it needs `get_vocab`, `eos_token` and `unk_token`; no SentencePiece files here)."""
+    import ctranslate2
+    from transformers import AutoConfig
+
+    tokens = vocabulary(AutoConfig.from_pretrained(model_dir).vocab_size)
+    tokenizer = types.SimpleNamespace(get_vocab=lambda: {t: i for i, t in enumerate(tokens)},
+                                      eos_token="</s>", unk_token="<unk>")
+
+    class Converter(ctranslate2.converters.TransformersConverter):
+        def load_tokenizer(self, tokenizer_class, model_name_or_path, **kwargs):
+            return tokenizer
+
+    Converter(model_dir).convert(output_dir, force=True)
+    return output_dir
+
+
+def sources(vocab, stream):
+    """The fixed-shape sources (64 of length 24), the stream (`stream` of random lengths) and a
+    mixed-length batch of 16 for the token check; random ids, </s> last."""
+    rng = np.random.default_rng(0)
+
+    def source(length):
+        return np.append(rng.integers(2, vocab - 1, length - 1), EOS).astype("int32")
+
+    fixed = [source(SOURCE_LENGTH) for _ in range(64)]
+    lengths = rng.integers(STREAM_LENGTHS[0], STREAM_LENGTHS[1] + 1, stream)
+    return fixed, [source(n) for n in lengths], [source(n) for n in rng.integers(5, 40, 16)]
+
+
+def pad_batch(batch, pad):
+    width = max(len(s) for s in batch)
+    return np.stack([np.pad(s, (0, width - len(s)), constant_values=pad) for s in batch])
+
+
+def cut(rows, pad):
+    """Token lists up to and including </s>, padding dropped."""
+    out = []
+    for row in rows:
+        row = [int(t) for t in row if t != pad]
+        out.append(row[:row.index(EOS) + 1] if EOS in row else row)
+    return out
+
+
+def count(rows, pad):
+    """New tokens in rows of ids (padding not counted)."""
+    return sum(sum(1 for t in row if t != pad) for row in rows)
+
+
+def make_engine(name, model_dir, ct2_dir, length_buckets="auto"):
+    """`translate(batch, beam, forced)` -> token lists for one engine (loaded here)."""
+    from transformers import AutoConfig
+
+    pad = AutoConfig.from_pretrained(model_dir).pad_token_id
+    if name == "transformers":
+        import torch
+        from transformers import MarianMTModel
+
+        hf = MarianMTModel.from_pretrained(model_dir).eval()
+
+        def translate(batch, beam, forced):
+            ids = torch.tensor(pad_batch(batch, pad))
+            with torch.inference_mode():
+                out = hf.generate(input_ids=ids, attention_mask=ids != pad, num_beams=beam,
+                                  do_sample=False, max_new_tokens=NEW_TOKENS,
+                                  min_new_tokens=NEW_TOKENS if forced else 0,
+                                  suppress_tokens=[pad], forced_eos_token_id=None)
+            return out.numpy()[:, 1:]
+    elif name.startswith("ctranslate2"):
+        import ctranslate2
+
+        translator = ctranslate2.Translator(ct2_dir, device="cpu",
+                                            compute_type=name.split("-")[1], inter_threads=1,
+                                            intra_threads=os.cpu_count())
+        tokens = vocabulary(pad + 1)
+        ids = {t: i for i, t in enumerate(tokens)}
+
+        def translate(batch, beam, forced):
+            results = translator.translate_batch(
+                [[tokens[i] for i in s] for s in batch], beam_size=beam,
+                max_decoding_length=NEW_TOKENS, min_decoding_length=NEW_TOKENS if forced else 1,
+                return_end_token=True)
+            return [[ids[t] for t in r.hypotheses[0]] for r in results]
+    else:
+        backend = name.split("-")[1]
+        os.environ["KERAS_BACKEND"] = backend
+        import keras
+
+        import keras_tfm
+
+        if keras.backend.backend() != backend:
+            raise ValueError(f"{name} needs a fresh process (Keras runs {keras.backend.backend()})")
+        model = keras_tfm.from_marian(model_dir)
+
+        def translate(batch, beam, forced):
+            return keras_tfm.generate(model, pad_batch(batch, pad), max_length=NEW_TOKENS,
+                                      method="beam" if beam > 1 else "greedy", beam_size=beam,
+                                      end_id=None if forced else "auto",
+                                      length_buckets=length_buckets)
+    return translate, pad
+
+
+def matmul_floor(shape, cells, repeats=3):
+    """Seconds of the matmuls alone of each cell, on this Keras backend: the encoder's and the
+    cross-attention keys'/values' projections of batch × 24 source tokens, then 32 decoder steps
+    (batch × beam rows: 6 d×d projections and the feed-forward pair per layer, the logits), with
+    distinct weights of the model's sizes (they stream from memory as the model's do), compiled
+    as generate is (jax.jit, tf.function; torch eager). No attention, softmax or search."""
+    import keras
+    from keras import ops
+
+    d, ff, layers = shape["d_model"], shape["ff"], shape["layers"]
+    rng = np.random.default_rng(1)
+
+    def weights(shapes):
+        return [ops.convert_to_tensor(rng.standard_normal(s, dtype=np.float32) * 0.02)
+                for s in shapes]
+
+    source_w = weights(([(d, d)] * 4 + [(d, ff), (ff, d)]) * layers + [(d, d)] * 2 * layers)
+    step_w = weights(([(d, d)] * 6 + [(d, ff), (ff, d)]) * layers + [(d, shape["vocab"])])
+
+    def chain(x, ws):
+        for w in ws:
+            x = ops.matmul(x, w)
+        return x
+
+    backend = keras.backend.backend()
+    if backend == "jax":
+        import jax
+
+        chain = jax.jit(chain)
+    elif backend == "tensorflow":
+        import tensorflow as tf
+
+        chain = tf.function(chain)
+    else:
+        import torch
+
+        chain = torch.no_grad()(chain)
+
+    def seconds(rows, ws, calls):
+        x = ops.convert_to_tensor(rng.standard_normal((rows, d), dtype=np.float32))
+        ops.convert_to_numpy(chain(x, ws))  # warm-up: compilation
+        times = []
+        for _ in range(calls):
+            start = time.perf_counter()
+            ops.convert_to_numpy(chain(x, ws))
+            times.append(time.perf_counter() - start)
+        return statistics.median(times)
+
+    return {cell: seconds(batch * SOURCE_LENGTH, source_w, repeats)
+            + NEW_TOKENS * seconds(batch * beam, step_w, 3 * repeats)
+            for cell, batch, beam in cells}
+
+
+def run_engine(name, model_dir, ct2_dir, stream=30, repeats=3, batch64=False,
+               length_buckets="auto"):
+    """One engine's cells: seconds, tokens/s, and its greedy tokens for the check."""
+    start = time.perf_counter()
+    translate, pad = make_engine(name, model_dir, ct2_dir, length_buckets)
+    load_s = time.perf_counter() - start
+    fixed, stream_sources, check = sources(pad + 1, stream)
+    result = {"engine": name, "load_s": load_s, "cells": {}}
+
+    start = time.perf_counter()  # first: no warm-up, compilation included
+    new_tokens = sum(count(translate([s], 1, True), pad) for s in stream_sources)
+    seconds = time.perf_counter() - start
+    result["cells"][STREAM] = {"seconds": [seconds], "new_tokens": new_tokens,
+                               "tokens_per_s": new_tokens / seconds}
+
+    cells = CELLS + ((BATCH64,) if batch64 else ())
+    for cell, batch, beam in cells:
+        new_tokens = count(translate(fixed[:batch], beam, True), pad)  # and warm-up
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            translate(fixed[:batch], beam, True)
+            times.append(time.perf_counter() - start)
+        median = statistics.median(times)
+        result["cells"][cell] = {"seconds": times, "new_tokens": new_tokens,
+                                 "tokens_per_s": new_tokens / median}
+    result["greedy_tokens"] = cut(translate(check, 1, False), pad)
+    if name in KERAS_ENGINES:
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(model_dir)
+        shape = dict(d_model=config.d_model, ff=config.encoder_ffn_dim,
+                     layers=config.decoder_layers, vocab=config.vocab_size)
+        for cell, floor in matmul_floor(shape, cells, repeats).items():
+            result["cells"][cell]["matmul_floor_s"] = floor
+    return result
+
+
+def agreement(results, reference="transformers"):
+    """Per engine: how many greedy rows equal the reference's, and where the others part."""
+    ref = results[reference]["greedy_tokens"]
+    out = {}
+    for name, result in results.items():
+        rows = result["greedy_tokens"]
+        first = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), min(len(x), len(y)))
+                 for x, y in zip(rows, ref) if x != y]
+        out[name] = {"equal_rows": len(ref) - len(first), "rows": len(ref),
+                     "first_difference_at": first,
+                     "distinct_rows": len({tuple(r) for r in rows}),
+                     "distinct_tokens_per_row": [len(set(r)) for r in rows]}
+    return out
+
+
+def ratios(results):
+    """keras_tfm tokens/s over transformers' and CTranslate2 fp32's, per backend and cell."""
+    out = {}
+    for name in KERAS_ENGINES:
+        if name not in results:
+            continue
+        for peer in ("transformers", "ctranslate2-float32"):
+            if peer not in results:
+                continue
+            out[f"{name} / {peer}"] = {
+                cell: value["tokens_per_s"] / results[peer]["cells"][cell]["tokens_per_s"]
+                for cell, value in results[name]["cells"].items()}
+    return out
+
+
+def table(results):
+    names = [n for n in ENGINES if n in results]
+    cells = list(next(iter(results.values()))["cells"])
+    lines = ["| cell | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
+    for cell in cells:
+        lines.append(f"| {cell} | " + " | ".join(
+            f"{results[n]['cells'][cell]['tokens_per_s']:,.0f}" for n in names) + " |")
+    pairs = ratios(results)
+    if pairs:
+        lines += ["", "| ratio | " + " | ".join(cells) + " |", "|---" * (len(cells) + 1) + "|"]
+        lines += [f"| {pair} | " + " | ".join(f"{r[c]:.2f}×" for c in cells) + " |"
+                  for pair, r in pairs.items()]
+    floors = [n for n in KERAS_ENGINES if n in results]
+    fixed = [c for c in cells if c != STREAM]
+    if floors and all("matmul_floor_s" in results[n]["cells"][c] for n in floors for c in fixed):
+        lines += ["", "| seconds ÷ matmul floor | " + " | ".join(fixed) + " |",
+                  "|---" * (len(fixed) + 1) + "|"]
+        for n in floors:
+            cell = results[n]["cells"]
+            lines.append(f"| {n} | " + " | ".join(
+                f"{statistics.median(cell[c]['seconds']):.3f} s ÷ {cell[c]['matmul_floor_s']:.3f}"
+                f" s = {statistics.median(cell[c]['seconds']) / cell[c]['matmul_floor_s']:.1f}×"
+                for c in fixed) + " |")
+    return "\n".join(lines)
+
+
+def plot(results, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [n for n in ENGINES if n in results]
+    cells = list(next(iter(results.values()))["cells"])
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    width = 0.8 / len(names)
+    for i, name in enumerate(names):
+        ax.bar(np.arange(len(cells)) + i * width, [results[name]["cells"][c]["tokens_per_s"]
+                                                   for c in cells], width, label=name)
+    ax.set_xticks(np.arange(len(cells)) + 0.4 - width / 2, cells)
+    ax.set_yscale("log")
+    ax.set_ylabel("new tokens / s (log)")
+    ax.set_title("Decoding, same MarianMT weights, 32 new tokens, CPU")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--small", action="store_true", help="the tiny shape (tests)")
+    parser.add_argument("--engines", nargs="+", choices=ENGINES, default=list(ENGINES))
+    parser.add_argument("--stream", type=int, default=30, help="sources in the stream cell")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--batch64", action="store_true", help="add the batch 64 greedy cell")
+    parser.add_argument("--no-length-buckets", action="store_true",
+                        help="keras_tfm without source-length buckets (length_buckets=None)")
+    parser.add_argument("--output-dir", default=RESULTS)
+    parser.add_argument("--engine", choices=ENGINES, help=argparse.SUPPRESS)  # internal: one
+    parser.add_argument("--model-dir", help=argparse.SUPPRESS)
+    parser.add_argument("--json", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    options = dict(stream=args.stream, repeats=args.repeats, batch64=args.batch64,
+                   length_buckets=None if args.no_length_buckets else "auto")
+    if args.engine:
+        os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+        result = run_engine(args.engine, args.model_dir, os.path.join(args.model_dir, "ct2"),
+                            **options)
+        with open(args.json, "w") as f:
+            json.dump(result, f)
+        return
+    shape_name = "small" if args.small else "base"
+    results = {}
+    with tempfile.TemporaryDirectory() as model_dir:
+        write_model(model_dir, SHAPES[shape_name])
+        convert_ctranslate2(model_dir, os.path.join(model_dir, "ct2"))
+        for name in args.engines:
+            out = os.path.join(model_dir, f"{name}.json")
+            command = [sys.executable, __file__, "--engine", name, "--model-dir", model_dir,
+                       "--json", out, "--stream", str(args.stream), "--repeats",
+                       str(args.repeats)] + (["--batch64"] if args.batch64 else []) + (
+                           ["--no-length-buckets"] if args.no_length_buckets else [])
+            subprocess.run(command, check=True)
+            with open(out) as f:
+                results[name] = json.load(f)
+            print(f"{name}: " + ", ".join(f"{c} {v['tokens_per_s']:,.0f}"
+                                         for c, v in results[name]["cells"].items()), flush=True)
+    check = agreement(results) if "transformers" in results else {}
+    print(table(results))
+    print("greedy tokens equal to transformers' (rows):",
+          {n: f"{c['equal_rows']}/{c['rows']}" for n, c in check.items()})
+    os.makedirs(args.output_dir, exist_ok=True)
+    stem = os.path.join(args.output_dir, "decode_peers" + ("_small" if args.small else "")
+                        + ("_no_buckets" if args.no_length_buckets else ""))
+    versions = {}
+    for package in ("keras", "jax", "tensorflow", "torch", "transformers", "ctranslate2"):
+        try:
+            from importlib.metadata import version
+
+            versions[package] = version(package)
+        except Exception:  # noqa: BLE001 (a package not installed is left out)
+            pass
+    with open(stem + ".json", "w") as f:
+        json.dump({"shape": SHAPES[shape_name], "options": options, "cpus": os.cpu_count(),
+                   "machine": platform.processor() or platform.machine(), "versions": versions,
+                   "results": results, "ratios": ratios(results), "agreement": check},
+                  f, indent=1)
+    plot(results, stem + ".png")
+
+
+if __name__ == "__main__":
+    main()

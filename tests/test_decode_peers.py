@@ -1,0 +1,56 @@
+"""benchmarks/decode_peers.py on its tiny shape: each cell counts the tokens it claims, and
+transformers, CTranslate2 and keras_tfm (this process's backend) decode the same greedy tokens
+from the same MarianMT weights (no timing here: speed is measured in benchmarks/)."""
+
+import os
+import sys
+
+import keras
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                "benchmarks"))
+
+import decode_peers as dp  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("marian")
+    dp.write_model(str(path), dp.SHAPES["small"])
+    dp.convert_ctranslate2(str(path), str(path / "ct2"))
+    return str(path)
+
+
+def test_engines_count_their_tokens_and_agree(model_dir):
+    names = ["transformers", "ctranslate2-float32", f"keras_tfm-{keras.backend.backend()}"]
+    results = {name: dp.run_engine(name, model_dir, os.path.join(model_dir, "ct2"), stream=3,
+                                   repeats=1) for name in names}
+    for result in results.values():
+        cells = result["cells"]
+        assert list(cells) == [dp.STREAM] + [name for name, _, _ in dp.CELLS]
+        assert cells[dp.STREAM]["new_tokens"] == 3 * dp.NEW_TOKENS  # forced: 32 each
+        for name, batch, _ in dp.CELLS:
+            assert cells[name]["new_tokens"] == batch * dp.NEW_TOKENS
+            assert len(cells[name]["seconds"]) == 1 and cells[name]["tokens_per_s"] > 0
+    keras_cells = results[names[-1]]["cells"]
+    assert all(keras_cells[name]["matmul_floor_s"] > 0 for name, _, _ in dp.CELLS)
+    assert "seconds ÷ matmul floor" in dp.table(results)
+    check = dp.agreement(results)
+    assert {name: c["equal_rows"] for name, c in check.items()} == dict.fromkeys(names, 16)
+    # The check is not trivial: the rows differ and vary along the way.
+    assert check["transformers"]["distinct_rows"] >= 10
+    assert min(check["transformers"]["distinct_tokens_per_row"]) >= 5
+
+
+def test_ratios_table_and_plot(tmp_path):
+    fake = {name: {"cells": {"a": {"tokens_per_s": speed}, "b": {"tokens_per_s": 2 * speed}}}
+            for name, speed in (("transformers", 100.0), ("ctranslate2-float32", 200.0),
+                                ("keras_tfm-jax", 300.0))}
+    assert dp.ratios(fake) == {"keras_tfm-jax / transformers": {"a": 3.0, "b": 3.0},
+                               "keras_tfm-jax / ctranslate2-float32": {"a": 1.5, "b": 1.5}}
+    table = dp.table(fake)
+    assert "| b | 200 | 400 | 600 |" in table
+    assert "| keras_tfm-jax / transformers | 3.00× | 3.00× |" in table
+    dp.plot(fake, str(tmp_path / "p.png"))
+    assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
