@@ -126,6 +126,35 @@ def embed_or_nan(embedding, token_ids, vocab_size):
     return vectors + ops.cast(ops.where(valid, 0.0, float("nan")), vectors.dtype)[..., None]
 
 
+def check_token_id(name, value, vocab_size):
+    """`value` as an int when it is a token id in `[0, vocab_size)`; else a ValueError."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not (
+            0 <= value < vocab_size):
+        raise ValueError(f"`{name}` must be a token id in [0, {vocab_size}); received "
+                         f"{name}={value!r}.")
+    return int(value)
+
+
+def check_special_ids(vocab_size, pad_id, start_id=None, end_id=None):
+    """The rules of a model's special ids: token ids of the vocabulary (start and end may be
+    None), and an end id that is not the padding id (padding is never generated)."""
+    check_token_id("pad_id", pad_id, vocab_size)
+    for name, value in (("start_id", start_id), ("end_id", end_id)):
+        if value is not None:
+            check_token_id(name, value, vocab_size)
+    if end_id is not None and end_id == pad_id:
+        raise ValueError(f"`end_id` must not be the padding id {pad_id} (padding is never "
+                         f"generated); received end_id={end_id!r} and pad_id={pad_id!r}. Pass "
+                         "end_id=None to decode "
+                         "exactly max_length tokens.")
+
+
+def model_dtype_policy(dtype):
+    """The dtype policy a functional model gives its layers and records in its config: `dtype`,
+    or the global policy (`keras.config.dtype_policy()`) when it is None."""
+    return keras.config.dtype_policy() if dtype is None else keras.dtype_policies.get(dtype)
+
+
 def with_quantized_dtypes(layer, config):
     """`config` whose `dtype` also records the policies of the layer's quantized sublayers.
 
@@ -134,7 +163,8 @@ def with_quantized_dtypes(layer, config):
     rebuild float sublayers. A `DTypePolicyMap` keyed by sublayer path (what keras_hub's
     backbones save) makes them rebuild quantized.
     """
-    policy = layer.dtype_policy
+    own = config.get("dtype")  # the policy the layer or model was built with
+    policy = layer.dtype_policy if own is None else keras.dtype_policies.get(own)
     if isinstance(policy, keras.dtype_policies.DTypePolicyMap):
         return config
     quantized = {sub.path: sub.dtype_policy for sub in layer._flatten_layers(include_self=False)

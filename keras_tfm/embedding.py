@@ -6,7 +6,8 @@ import keras
 from keras import ops
 
 from keras_tfm import masks as masks_lib
-from keras_tfm._checks import check_positive_int, embed_or_nan, with_quantized_dtypes
+from keras_tfm._checks import (check_positive_int, check_token_id, embed_or_nan,
+                               with_quantized_dtypes)
 from keras_tfm.positional import (SINUSOIDAL_LAYOUTS, PositionEmbedding,
                                   SinusoidalPositionalEncoding)
 
@@ -81,9 +82,7 @@ class TokenAndPositionEmbedding(keras.layers.Layer):
         if positional_layout not in SINUSOIDAL_LAYOUTS:
             raise ValueError(f"`positional_layout` must be one of {SINUSOIDAL_LAYOUTS}; "
                              f"received positional_layout={positional_layout!r}.")
-        if isinstance(pad_id, bool) or not isinstance(pad_id, int) or not 0 <= pad_id < vocab_size:
-            raise ValueError(f"`pad_id` must be a token id in [0, {vocab_size}); received "
-                             f"pad_id={pad_id!r}.")
+        check_token_id("pad_id", pad_id, vocab_size)
         self.positional = positional
         self.positional_layout = positional_layout
         self.pad_id = pad_id

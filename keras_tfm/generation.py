@@ -17,7 +17,7 @@ import numpy as np
 from keras import ops
 
 from keras_tfm import masks as masks_lib
-from keras_tfm._checks import check_token_ids
+from keras_tfm._checks import check_special_ids, check_token_ids
 from keras_tfm.blocks import TransformerDecoderBlock, TransformerEncoderBlock
 from keras_tfm.embedding import TokenAndPositionEmbedding
 from keras_tfm.models import LanguageModel
@@ -117,7 +117,7 @@ class Seq2SeqParts:
         caches = []
         for block in self.decoder_blocks:
             attention = block.self_attention
-            caches.append(ops.zeros((batch_size, 2, max_length, attention.num_heads,
+            caches.append(ops.zeros((batch_size, 2, max_length, attention._kv_heads,
                                      attention._key_dim), dtype=block.compute_dtype))
         return caches
 
@@ -157,11 +157,15 @@ class Seq2SeqParts:
         return ops.cast(logits[:, 0], "float32"), new_caches
 
 
+def _without_pad(logits, pad_id):
+    """The logits with the padding token's set to a large negative value: never generated."""
+    is_pad = ops.equal(ops.arange(ops.shape(logits)[-1]), pad_id)
+    return ops.where(is_pad, _NEG_INF, logits)
+
+
 def _log_probs(logits, pad_id):
     """Log-probabilities with the padding token excluded (it is never generated)."""
-    vocab = ops.shape(logits)[-1]
-    is_pad = ops.equal(ops.arange(vocab), pad_id)
-    return ops.log_softmax(ops.where(is_pad, _NEG_INF, logits), axis=-1)
+    return ops.log_softmax(_without_pad(logits, pad_id), axis=-1)
 
 
 def _greedy_search(parts, source, start_id, end_id, max_length, pad_id=PAD_ID, choose=None):
@@ -372,18 +376,7 @@ def _resolve_special_ids(model, vocab, start_id, end_id, pad_id, needs_start=Tru
         start_id = own.get("start_id", pad_id)  # unused; checked as a valid id below
     start_id = own["start_id"] if start_id == AUTO else start_id
     end_id = own["end_id"] if end_id == AUTO else end_id
-    checks = [("start_id", start_id), ("pad_id", pad_id)]
-    if end_id is not None:
-        checks.append(("end_id", end_id))
-    for name, value in checks:
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not (
-                0 <= value < vocab):
-            raise ValueError(f"`{name}` must be a token id in [0, {vocab}) (the target "
-                             f"vocabulary); received {name}={value!r}.")
-    if end_id is not None and end_id == pad_id:
-        raise ValueError(f"`end_id` must not be the padding id {pad_id} (padding is never "
-                         f"generated); received end_id={end_id!r}. Pass end_id=None to decode "
-                         "exactly max_length tokens.")
+    check_special_ids(vocab, pad_id, start_id, end_id)
     if needs_start and start_id == pad_id and own.get("start_id") != pad_id:
         raise ValueError(f"`start_id` must not be the padding id {pad_id}, which model "
                          f"{model.name!r} masks; received start_id={start_id!r}. (A model built "
@@ -534,7 +527,13 @@ def generate(model, source_tokens, start_id=AUTO, end_id=AUTO, max_length=None, 
 def _run_in_chunks(model, key, search, inputs, batch_size, verbose, pad_id, return_scores):
     """Compile `search` once per `key`, run it on chunks of the NumPy `inputs` (rows along the
     first axis) and return the tokens, cut after the longest sequence, and the scores."""
-    compiled = _COMPILED.setdefault(model, {})
+    # The variables are part of the key: `model.quantize` replaces them, and a search compiled
+    # over the old ones (JAX passes them in, TensorFlow captures them) would ignore the change.
+    variables = tuple(id(v) for v in model.variables)
+    cached = _COMPILED.get(model)
+    if cached is None or cached[0] != variables:
+        cached = _COMPILED[model] = (variables, {})
+    compiled = cached[1]
     run = compiled.pop(key, None) or _compile(model, search)
     compiled[key] = run  # the most recently used last
     while len(compiled) > _MAX_COMPILED:
@@ -622,8 +621,7 @@ def _sample(logits, uniform, pad_id, temperature, top_k, top_p):
     most likely tokens and then to the nucleus (the smallest set of tokens whose probability
     reaches `top_p`, renormalised), by inverse transform of `uniform (B,)` in [0, 1)."""
     vocab = logits.shape[-1]
-    is_pad = ops.equal(ops.arange(vocab), pad_id)
-    logits = ops.where(is_pad, _NEG_INF, logits / temperature)
+    logits = _without_pad(logits / temperature, pad_id)
     if top_k == 1:
         return ops.cast(ops.argmax(logits, axis=-1), "int32")
     if top_k is not None or top_p < 1.0:

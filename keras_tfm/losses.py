@@ -45,6 +45,8 @@ class MaskedSparseCategoricalCrossentropy(keras.losses.Loss):
     Args:
         from_logits: whether `y_pred` are logits (True) or probabilities.
         ignore_class: the target id to ignore (padding); None ignores nothing.
+        pad_id: the same, named as the models name it (`model.special_ids["pad_id"]`; a
+            MarianMT model pads with its last id, not 0).
         label_smoothing: ε in [0, 1).
         name: loss name.
 
@@ -58,12 +60,12 @@ class MaskedSparseCategoricalCrossentropy(keras.losses.Loss):
     """
 
     def __init__(self, from_logits=True, ignore_class=0, label_smoothing=0.0,
-                 name="masked_sparse_categorical_crossentropy", **kwargs):
+                 name="masked_sparse_categorical_crossentropy", pad_id=None, **kwargs):
         super().__init__(name=name, **kwargs)
         if not 0.0 <= label_smoothing < 1.0:
             raise ValueError(f"`label_smoothing` must be in [0, 1); received {label_smoothing!r}.")
         self.from_logits = bool(from_logits)
-        self.ignore_class = ignore_class
+        self.ignore_class = masks_lib.ignored_target_id(ignore_class, pad_id)
         self.label_smoothing = float(label_smoothing)
 
     def call(self, y_true, y_pred):

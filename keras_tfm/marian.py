@@ -208,7 +208,7 @@ def from_marian(path):
     no transformers, no download. The model remembers Marian's special ids (padding = the last
     id, which also starts the decoder, `<EOS>` = 0), so `generate(model, source,
     max_length=...)` needs no ids; fine-tune with
-    `MaskedSparseCategoricalCrossentropy(ignore_class=model.special_ids["pad_id"])`.
+    `MaskedSparseCategoricalCrossentropy(pad_id=model.special_ids["pad_id"])`.
 
     Args:
         path: a directory written by `transformers` (`save_pretrained`): `config.json` and
@@ -299,6 +299,12 @@ def to_marian(model, path, max_position_embeddings=512, tokenizer_dir=None):
     if not isinstance(model, Seq2SeqTransformer):
         raise ValueError("to_marian exports a Seq2SeqTransformer (from build_transformer or "
                          f"from_marian); received {type(model).__name__}.")
+    quantized = sorted({layer.quantization_mode for layer in model._flatten_layers()
+                        if layer.quantization_mode is not None})
+    if quantized:
+        raise ValueError(f"to_marian writes float weights; this model is quantized "
+                         f"({', '.join(quantized)}): export the float model, then quantize "
+                         "where it is served (e.g. CTranslate2's int8).")
     c = model.get_config()
     activations = {value: key for key, value in _ACTIVATIONS.items() if key != "silu"}
     activation = c["activation"]
@@ -355,6 +361,8 @@ def to_marian(model, path, max_position_embeddings=512, tokenizer_dir=None):
     if c["share_embeddings"]:  # the copies older checkpoints carry; transformers ties them
         for alias in ("model.encoder.embed_tokens.weight", "model.decoder.embed_tokens.weight"):
             tensors[alias] = tensors["model.shared.weight"].copy()
+    elif config["share_encoder_decoder_embeddings"]:  # one vocabulary, matrices not tied
+        tensors["model.shared.weight"] = tensors["model.encoder.embed_tokens.weight"].copy()
     if c["tie_embeddings"]:
         source = ("model.shared.weight" if c["share_embeddings"]
                   else "model.decoder.embed_tokens.weight")

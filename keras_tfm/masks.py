@@ -2,26 +2,16 @@
 
 Convention: a mask is boolean and **True means "may attend" / "is a real token"** — the
 convention of Keras (`Embedding(mask_zero=True)`), JAX and `scaled_dot_product_attention`.
+The seeds draw them the other way round: their PAD mask is 1 at padding (convert it with
+`from_pad_indicator`, or build ours from token ids with `padding_mask`); their causal mask is
+additive, 0 on and below the diagonal and -inf above (ours, `causal_mask(T)`, is True exactly
+where theirs is 0). Seed masks combine by union of the *blocked* positions, ours by AND of the
+*allowed* ones (`merge_masks`): the same rule.
 
-The seeds draw the masks the other way round:
-
-* the PAD mask is 1 (True) at padding positions: convert it with `from_pad_indicator`, or
-  build ours directly from token ids with `padding_mask`;
-* the causal ("upper triangular") mask is additive, 0 on and below the diagonal and -inf above:
-  ours is `causal_mask(T)`, True exactly where the seed's mask is 0.
-
-Seed masks are combined by union of the *blocked* positions; ours by AND of the *allowed*
-positions (`merge_masks`), which is the same rule.
-
-Masks that are not boolean are accepted only as 0/1 (1 = may attend), checked on concrete
-values (NumPy, eager tensors); additive (0 / -inf) or negative masks are a ValueError. In a
-traced graph (jit, tf.function) the values cannot be read: a non-boolean mask is taken as
-`mask != 0` unchecked, so convert masks to bool before tracing. A padding mask `(B, S)` goes
-to the keys' Keras mask (`mask=`), never to `attention_mask`.
-
-A query row in which no key is allowed (a fully padded sequence, or padding and causality
-leaving nothing) gives zeros in the attention output; see `keras_tfm.attention`.
-"""
+Non-boolean masks are accepted only as 0/1, checked where values are concrete (in a traced
+graph a mask is read as `mask != 0`); a padding mask `(B, S)` goes to `mask=`, never to
+`attention_mask`. A query row with no allowed key gives zeros (see `keras_tfm.attention`).
+More: docs/masks.md."""
 
 import keras
 import numpy as np
@@ -55,6 +45,18 @@ def padding_mask(token_ids, pad_id=0, keep_first=False):
     if keep_first:
         mask = ops.concatenate([ops.ones_like(mask[:, :1]), mask[:, 1:]], axis=1)
     return mask
+
+
+def ignored_target_id(ignore_class=0, pad_id=None):
+    """The target id that the masked loss and accuracy skip: `pad_id` when given (a model's
+    padding id, e.g. `model.special_ids["pad_id"]`), else `ignore_class`; both, different: a
+    ValueError."""
+    if pad_id is None:
+        return ignore_class
+    if ignore_class not in (0, None, pad_id):
+        raise ValueError(f"Give the padding id once: received ignore_class={ignore_class!r} and "
+                         f"pad_id={pad_id!r}.")
+    return pad_id
 
 
 def target_weights(y_true, ignore_class=0, sample_weight=None):

@@ -14,6 +14,7 @@ class MaskedAccuracy(keras.metrics.Metric):
 
     Args:
         ignore_class: the target id to skip; None counts every token.
+        pad_id: the same, named as the models name it (`model.special_ids["pad_id"]`).
         name, dtype: metric name and dtype.
 
     Call arguments (`update_state`):
@@ -21,9 +22,9 @@ class MaskedAccuracy(keras.metrics.Metric):
         sample_weight: optional `(B,)` or `(B, T)`.
     """
 
-    def __init__(self, ignore_class=0, name="masked_accuracy", dtype="float32"):
+    def __init__(self, ignore_class=0, name="masked_accuracy", dtype="float32", pad_id=None):
         super().__init__(name=name, dtype=dtype)
-        self.ignore_class = ignore_class
+        self.ignore_class = masks_lib.ignored_target_id(ignore_class, pad_id)
         self.correct = self.add_variable((), initializer="zeros", dtype="float32", name="correct")
         self.count = self.add_variable((), initializer="zeros", dtype="float32", name="count")
 

@@ -11,11 +11,12 @@ import keras
 from keras import ops
 
 from keras_tfm import masks as masks_lib
-from keras_tfm._checks import check_dropout, check_positive_int
+from keras_tfm._checks import (check_dropout, check_positive_int, check_special_ids,
+                               embed_or_nan, model_dtype_policy)
 from keras_tfm.blocks import TransformerDecoderBlock, TransformerEncoderBlock
 from keras_tfm.dropout import Dropout
 from keras_tfm.positional import PositionEmbedding, SinusoidalPositionalEncoding
-from keras_tfm.seq2seq import SPECIAL_ID_NAMES, _check_id
+from keras_tfm.seq2seq import SPECIAL_ID_NAMES, ConfiguredModel
 
 _SERIALIZABLE = keras.saving.register_keras_serializable(package="keras_tfm")
 
@@ -33,17 +34,12 @@ def _hyper_parameters(arguments, *extra):
     """The config of a stack model: its constructor's arguments, picked from `locals()`; the
     special ids checked."""
     config = {key: arguments[key] for key in _HYPER_PARAMETERS + extra}
-    vocab_size = config["vocab_size"]
-    _check_id("pad_id", config["pad_id"], vocab_size, allow_none=False)
-    _check_id("start_id", config["start_id"], vocab_size)
-    _check_id("end_id", config["end_id"], vocab_size)
-    if config["end_id"] is not None and config["end_id"] == config["pad_id"]:
-        raise ValueError(f"`end_id` must differ from the padding id; received "
-                         f"end_id={config['end_id']} and pad_id={config['pad_id']}.")
+    check_special_ids(config["vocab_size"], config["pad_id"], config["start_id"],
+                      config["end_id"])
     return config
 
 
-class _StackModel(keras.Model):
+class _StackModel(ConfiguredModel):
     """A functional model whose config is its hyper-parameters (shared by both stacks)."""
 
     def _embed(self, tokens, config):
@@ -60,19 +56,22 @@ class _StackModel(keras.Model):
         if positional == "learned" and config["max_length"] is None:
             raise ValueError('`max_length` is required for positional="learned" (the size of '
                              "the learned position table); received max_length=None.")
+        dtype = self._model_dtype
         mask = masks_lib.padding_mask(tokens, config["pad_id"])
-        x = keras.layers.Embedding(vocab_size, d_model, name="token_embedding")(tokens)
+        embedding = keras.layers.Embedding(vocab_size, d_model, dtype=dtype,
+                                           name="token_embedding")
+        x = embed_or_nan(embedding, tokens, vocab_size)  # an id outside the vocabulary: NaN
         if config["scale_embeddings"]:
             x = x * (d_model ** 0.5)
         if positional == "sinusoidal":
-            x = SinusoidalPositionalEncoding(name="position_encoding")(x)
+            x = SinusoidalPositionalEncoding(dtype=dtype, name="position_encoding")(x)
         elif positional == "learned":
-            x = PositionEmbedding(config["max_length"], name="position_embedding")(x)
-        return Dropout(config["dropout"], name="embedding_dropout")(x), mask
+            x = PositionEmbedding(config["max_length"], dtype=dtype,
+                                  name="position_embedding")(x)
+        return Dropout(config["dropout"], dtype=dtype, name="embedding_dropout")(x), mask
 
-    @staticmethod
-    def _block_kwargs(config):
-        return dict(
+    def _block_kwargs(self, config):
+        return dict(dtype=self._model_dtype,
             num_heads=config["num_heads"], ff_dim=config["ff_dim"], dropout=config["dropout"],
             activation=config["activation"], norm_first=config["norm_first"],
             layer_norm_epsilon=config["layer_norm_epsilon"],
@@ -87,21 +86,8 @@ class _StackModel(keras.Model):
             return x
         cls = (keras.layers.RMSNormalization if config["normalization"] == "rms_norm"
                else keras.layers.LayerNormalization)
-        return cls(epsilon=config["layer_norm_epsilon"], name="final_norm")(x)
-
-    @property
-    def special_ids(self):
-        """The model's special token ids, `{"pad_id": …, "start_id": …, "end_id": …}` (the ids
-        that were given)."""
-        return {key: self._model_config[key] for key in SPECIAL_ID_NAMES
-                if self._model_config[key] is not None}
-
-    def get_config(self):
-        return dict(self._model_config, name=self.name, trainable=self.trainable)
-
-    @classmethod
-    def from_config(cls, config):
-        return cls(**config)
+        return cls(epsilon=config["layer_norm_epsilon"], dtype=self._model_dtype,
+                   name="final_norm")(x)
 
 
 @_SERIALIZABLE
@@ -120,15 +106,17 @@ class LanguageModel(_StackModel):
                  max_length=None, activation="gelu", gated_feed_forward=False,
                  normalization="layer_norm", layer_norm_epsilon=1e-5, use_bias=True,
                  rotary_max_wavelength=10000.0, scale_embeddings=False, pad_id=0, start_id=None,
-                 end_id=None, name="language_model", **kwargs):
+                 end_id=None, name="language_model", dtype=None, **kwargs):
         config = _hyper_parameters(locals())
+        self._model_dtype = model_dtype_policy(dtype)
         tokens = keras.Input((None,), dtype="int32", name="tokens")
         x, mask = self._embed(tokens, config)
         for i in range(num_layers):
             x = TransformerDecoderBlock(name=f"decoder_block_{i}",
                                         **self._block_kwargs(config))(x, inputs_mask=mask)
         x = self._final_norm(x, config)
-        logits = keras.layers.Dense(vocab_size, use_bias=use_bias, name="logits")(x)
+        logits = keras.layers.Dense(vocab_size, use_bias=use_bias, dtype=self._model_dtype,
+                                    name="logits")(x)
         self._model_config = config
         super().__init__(inputs=tokens, outputs=logits, name=name, **kwargs)
 
@@ -148,8 +136,10 @@ class EncoderModel(_StackModel):
                  dropout=0.1, max_length=None, activation="gelu", gated_feed_forward=False,
                  normalization="layer_norm", layer_norm_epsilon=1e-5, use_bias=True,
                  rotary_max_wavelength=10000.0, scale_embeddings=True, pad_id=0, start_id=None,
-                 end_id=None, num_classes=None, pooling="mean", name="encoder", **kwargs):
+                 end_id=None, num_classes=None, pooling="mean", name="encoder", dtype=None,
+                 **kwargs):
         config = _hyper_parameters(locals(), "num_classes", "pooling")
+        self._model_dtype = model_dtype_policy(dtype)
         if num_classes is not None:
             check_positive_int("num_classes", num_classes)
         if pooling not in POOLINGS:
@@ -167,7 +157,8 @@ class EncoderModel(_StackModel):
                 weights = ops.cast(mask, outputs.dtype)[..., None]
                 count = ops.maximum(ops.sum(weights, axis=1), 1.0)
                 pooled = ops.sum(outputs * weights, axis=1) / count
-            outputs = keras.layers.Dense(num_classes, name="classifier")(pooled)
+            outputs = keras.layers.Dense(num_classes, dtype=self._model_dtype,
+                                         name="classifier")(pooled)
         self._model_config = config
         super().__init__(inputs=tokens, outputs=outputs, name=name, **kwargs)
 

@@ -10,7 +10,8 @@ special token ids, so a `.keras` file rebuilds it and `generate` finds its ids.
 import keras
 
 from keras_tfm import masks as masks_lib
-from keras_tfm._checks import check_dropout, check_positive_int, with_quantized_dtypes
+from keras_tfm._checks import (check_dropout, check_positive_int, check_special_ids,
+                               model_dtype_policy, with_quantized_dtypes)
 from keras_tfm.blocks import TransformerDecoderBlock, TransformerEncoderBlock
 from keras_tfm.dropout import Dropout
 from keras_tfm.embedding import TokenAndPositionEmbedding
@@ -18,17 +19,35 @@ from keras_tfm.embedding import TokenAndPositionEmbedding
 SPECIAL_ID_NAMES = ("pad_id", "start_id", "end_id")
 
 
-def _check_id(name, value, vocab_size, allow_none=True):
-    if value is None and allow_none:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < vocab_size:
-        raise ValueError(f"`{name}` must be a token id in [0, {vocab_size}); received "
-                         f"{name}={value!r}.")
-    return value
+class ConfiguredModel(keras.Model):
+    """A functional model whose config is the arguments it was built from (the pattern of
+    keras_hub's backbones): a subclass sets `_model_config` and `_model_dtype` (the policy given
+    to its layers) in `__init__` before building the graph; `from_config` builds it again."""
+
+    @property
+    def special_ids(self):
+        """The model's special token ids, `{"pad_id": …, "start_id": …, "end_id": …}` (the ids
+        that were given)."""
+        return {key: self._model_config[key] for key in SPECIAL_ID_NAMES
+                if self._model_config.get(key) is not None}
+
+    def get_config(self):
+        config = dict(self._model_config, name=self.name, trainable=self.trainable,
+                      dtype=keras.dtype_policies.serialize(self._model_dtype))
+        # After `quantize`: a DTypePolicyMap of the quantized layers, which `__init__` passes
+        # to every layer, so that a file rebuilds them quantized (as keras_hub's backbones).
+        return with_quantized_dtypes(self, config)
+
+    @classmethod
+    def from_config(cls, config):
+        config = dict(config)
+        if isinstance(config.get("dtype"), dict):
+            config["dtype"] = keras.dtype_policies.get(config["dtype"])
+        return cls(**config)
 
 
 @keras.saving.register_keras_serializable(package="keras_tfm")
-class Seq2SeqTransformer(keras.Model):
+class Seq2SeqTransformer(ConfiguredModel):
     """The encoder-decoder transformer: `[encoder_tokens, decoder_tokens] → logits`.
 
     A functional model (the graph of keras_tfm layers of seed 000's diagram) that remembers its
@@ -125,12 +144,9 @@ class Seq2SeqTransformer(keras.Model):
         if share_embeddings and src_vocab_size != tgt_vocab_size:
             raise ValueError("`share_embeddings=True` needs one vocabulary; received "
                              f"src_vocab_size={src_vocab_size}, tgt_vocab_size={tgt_vocab_size}.")
-        _check_id("pad_id", pad_id, min(src_vocab_size, tgt_vocab_size), allow_none=False)
-        _check_id("start_id", start_id, tgt_vocab_size)
-        _check_id("end_id", end_id, tgt_vocab_size)
-        if end_id is not None and end_id == pad_id:
-            raise ValueError(f"`end_id` must differ from the padding id; received end_id={end_id}"
-                             f" and pad_id={pad_id}.")
+        check_special_ids(min(src_vocab_size, tgt_vocab_size), pad_id)  # pads both inputs
+        check_special_ids(tgt_vocab_size, pad_id, start_id, end_id)
+        dtype = self._model_dtype = model_dtype_policy(dtype)
         self._model_config = dict(
             src_vocab_size=src_vocab_size, tgt_vocab_size=tgt_vocab_size, d_model=d_model,
             num_heads=num_heads, ff_dim=ff_dim, num_encoder_layers=num_encoder_layers,
@@ -193,26 +209,6 @@ class Seq2SeqTransformer(keras.Model):
         else:
             logits = keras.layers.Dense(tgt_vocab_size, dtype=dtype, name="logits")(y)
         super().__init__([encoder_tokens, decoder_tokens], logits, name=name, **kwargs)
-
-    @property
-    def special_ids(self):
-        """The model's special token ids, `{"pad_id": …, "start_id": …, "end_id": …}` (the ids
-        that were given)."""
-        return {key: self._model_config[key] for key in SPECIAL_ID_NAMES
-                if self._model_config[key] is not None}
-
-    def get_config(self):
-        config = dict(self._model_config, name=self.name, trainable=self.trainable)
-        # After `quantize`: a DTypePolicyMap of the quantized layers, which `__init__` passes
-        # to every layer, so that a file rebuilds them quantized (as keras_hub's backbones).
-        return with_quantized_dtypes(self, config)
-
-    @classmethod
-    def from_config(cls, config):
-        config = dict(config)
-        if isinstance(config.get("dtype"), dict):
-            config["dtype"] = keras.dtype_policies.get(config["dtype"])
-        return cls(**config)
 
 
 def build_transformer(*args, **kwargs):

@@ -84,6 +84,18 @@ def test_llama_style_block_is_causal_and_ignores_padding():
     future[:, 3:] = random((2, 3, 16), 9)
     np.testing.assert_allclose(to_np(block(future, inputs_mask=pad))[:, :3], base[:, :3],
                                atol=1e-5)
+    # A masked key that causality allows (row 1, position 1): changing it changes no other
+    # position (right padding alone would be hidden by the causal mask anyway).
+    holes = np.ones((2, 6), bool)
+    holes[1, 1] = False
+    base = to_np(block(x, inputs_mask=holes))
+    changed = x.copy()
+    changed[1, 1] = random((16,), 5)
+    out = to_np(block(changed, inputs_mask=holes))
+    np.testing.assert_allclose(np.delete(out[1], 1, axis=0), np.delete(base[1], 1, axis=0),
+                               atol=1e-5)
+    np.testing.assert_allclose(out[0], base[0], atol=1e-6)
+    assert np.abs(out[1, 1] - base[1, 1]).max() > 1e-3  # its own query still reads it
     # a fully padded sequence stays finite
     out = to_np(block(x, inputs_mask=np.zeros((2, 6), bool)))
     assert np.isfinite(out).all()

@@ -359,8 +359,38 @@ def test_the_compile_cache_per_model_is_bounded():
     src = sources(31, batch=3, length=4)
     for max_length in range(1, 12):
         generate(model, src, SOS, EOS, max_length)
-    kept = generation._COMPILED[model]
+    kept = generation._COMPILED[model][1]
     assert len(kept) == generation._MAX_COMPILED
     assert [key[-1] for key in kept] == list(range(4, 12))  # the most recently used
     generate(model, src, SOS, EOS, 5)  # a hit moves to the end
     assert list(kept)[-1][-1] == 5 and len(kept) == generation._MAX_COMPILED
+
+
+def test_generate_after_quantize_runs_the_quantized_weights():
+    model = small_model(start_id=SOS, end_id=EOS)
+    src = sources(13)
+    _, before = generate(model, src, end_id=None, max_length=6, return_scores=True)
+    model.quantize("int8")
+    _, after = generate(model, src, end_id=None, max_length=6, return_scores=True)
+    generation._COMPILED.pop(model)  # a search compiled afresh
+    _, fresh = generate(model, src, end_id=None, max_length=6, return_scores=True)
+    np.testing.assert_allclose(after, fresh, rtol=1e-5)
+    assert np.abs(after - before).max() > 1e-4
+
+
+def test_hand_built_model_with_grouped_query_attention_decodes():
+    from keras_tfm import TokenAndPositionEmbedding, TransformerDecoderBlock, TransformerEncoderBlock
+
+    encoder_tokens = keras.Input((None,), dtype="int32")
+    decoder_tokens = keras.Input((None,), dtype="int32")
+    x = TokenAndPositionEmbedding(20, 16, name="encoder_embedding")(encoder_tokens)
+    x = TransformerEncoderBlock(4, 32, dropout=0.0, num_key_value_heads=2)(x)
+    y = TokenAndPositionEmbedding(22, 16, name="decoder_embedding")(decoder_tokens)
+    y = TransformerDecoderBlock(4, 32, dropout=0.0, num_key_value_heads=1)(y, x)
+    model = keras.Model([encoder_tokens, decoder_tokens],
+                        keras.layers.Dense(22, name="logits")(y))
+    src = sources(14)
+    tokens, scores = generate(model, src, SOS, EOS, 6, return_scores=True)
+    expected, expected_scores = reference_greedy(model, src, 6)
+    np.testing.assert_array_equal(tokens, expected[:, :tokens.shape[1]])
+    np.testing.assert_allclose(scores, expected_scores, rtol=1e-4, atol=1e-4)

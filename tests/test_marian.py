@@ -139,13 +139,17 @@ def test_beam_search_finds_transformers_best_hypotheses(tmp_path):
     np.testing.assert_allclose(scores, sequence_log_prob(hf, src, ours, pad), atol=1e-4)
 
 
-@pytest.mark.parametrize("name", ["shared_tied_swish", "separate_untied_gelu"])
+@pytest.mark.parametrize("name", ["shared_tied_swish", "separate_untied_gelu",
+                                  "shared_untied_relu"])
 def test_to_marian_round_trip_loads_in_transformers(tmp_path, name):
     hf = write_marian(tmp_path / "original", **CONFIGS[name])
     pad = hf.config.pad_token_id
     model = keras_tfm.from_marian(str(tmp_path / "original"))
     keras_tfm.to_marian(model, str(tmp_path / "export"))
-    exported = MarianMTModel.from_pretrained(str(tmp_path / "export")).eval()
+    exported, info = MarianMTModel.from_pretrained(str(tmp_path / "export"),
+                                                   output_loading_info=True)
+    exported.eval()
+    assert not info["missing_keys"] and not info["mismatched_keys"]
     src = sources(pad, seed=4)
     dec = np.full((3, 4), pad, "int32")
     dec[:, 1:] = np.arange(1, 4)
@@ -189,9 +193,10 @@ def test_fine_tune_save_and_load_keep_predictions(tmp_path, name):
     src = sources(pad, seed=6)
     targets = np.where(src[:, :6] == pad, pad, src[:, :6]).astype("int32")
     dec = np.concatenate([np.full((3, 1), pad), targets[:, :-1]], axis=1).astype("int32")
-    loss = keras_tfm.MaskedSparseCategoricalCrossentropy(ignore_class=model.special_ids["pad_id"])
+    loss = keras_tfm.MaskedSparseCategoricalCrossentropy(pad_id=model.special_ids["pad_id"])
+    assert loss.ignore_class == pad and loss.get_config()["ignore_class"] == pad
     model.compile(keras.optimizers.Adam(1e-2), loss=loss,
-                  metrics=[keras_tfm.MaskedAccuracy(ignore_class=pad)], **jit_options())
+                  metrics=[keras_tfm.MaskedAccuracy(pad_id=pad)], **jit_options())
     table = lambda: to_np(keras_tfm.Seq2SeqParts.from_model(  # noqa: E731
         model).decoder_embedding.token_embedding.embeddings)
     before = table()
@@ -281,3 +286,11 @@ def test_token_ids_outside_the_checkpoint_vocabulary_are_refused(tmp_path):
     with pytest.raises(ValueError, match=rf"token id {VOCAB + 3} at \(row, column\) \(1, 2\).*"
                                          rf"vocab_size={VOCAB}"):
         keras_tfm.generate(model, src, max_length=4)
+
+
+def test_a_quantized_model_is_not_exported(tmp_path):
+    write_marian(tmp_path)
+    model = keras_tfm.from_marian(str(tmp_path))
+    model.quantize("int8")
+    with pytest.raises(ValueError, match=r"quantized \(int8\)"):
+        keras_tfm.to_marian(model, str(tmp_path / "export"))

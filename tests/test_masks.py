@@ -100,3 +100,11 @@ def test_padding_mask_with_a_start_token_that_is_the_padding_id():
                                   [[True, True, True, False], [True, False, False, False]])
     np.testing.assert_array_equal(to_np(masks.padding_mask(tokens, pad_id=9)),
                                   [[False, True, True, False], [False] * 4])
+
+
+def test_the_ignored_target_id_is_the_padding_id_when_one_is_given():
+    assert masks.ignored_target_id() == 0
+    assert masks.ignored_target_id(pad_id=58100) == 58100
+    assert masks.ignored_target_id(-100) == -100
+    with pytest.raises(ValueError, match="ignore_class=-100 and pad_id=5"):
+        masks.ignored_target_id(-100, pad_id=5)

@@ -134,3 +134,48 @@ def test_model_errors_name_the_values():
         small_lm(end_id=3, pad_id=3)
     with pytest.raises(ValueError, match="pooling='max'"):
         build_encoder(64, num_classes=2, pooling="max")
+
+
+@pytest.mark.parametrize("kind", ["language_model", "encoder", "seq2seq"])
+def test_dtype_policy_round_trips_and_quantized_models_reload(kind, tmp_path):
+    import keras_tfm
+
+    def build(**kwargs):
+        if kind == "language_model":
+            return small_lm(**kwargs)
+        if kind == "encoder":
+            return build_encoder(64, d_model=32, num_heads=4, ff_dim=64, num_layers=1,
+                                 num_classes=3, **kwargs)
+        return keras_tfm.build_transformer(64, 64, d_model=32, num_heads=4, ff_dim=64,
+                                           num_encoder_layers=1, num_decoder_layers=1,
+                                           **kwargs)
+
+    def call(model):
+        x = tokens(2, 5)
+        return to_np(model([x, x]) if kind == "seq2seq" else model(x))
+
+    # A policy given (or global when the model was built) is kept by the config.
+    model = build(dtype="bfloat16")
+    clone = type(model).from_config(model.get_config())
+    assert {layer.dtype_policy.name for layer in clone.layers if layer.weights} == {"bfloat16"}
+    keras.config.set_dtype_policy("mixed_float16")
+    model = build()
+    keras.config.set_dtype_policy("float32")
+    clone = type(model).from_config(model.get_config())
+    assert {layer.dtype_policy.name for layer in clone.layers
+            if layer.weights} == {"mixed_float16"}
+    # Quantized, saved and loaded: the same outputs.
+    model = build()
+    model.quantize("int8")
+    model.save(tmp_path / "q.keras")
+    np.testing.assert_allclose(call(keras.models.load_model(tmp_path / "q.keras")), call(model),
+                               atol=1e-6)
+
+
+def test_an_id_outside_the_vocabulary_gives_nan_in_language_and_encoder_models():
+    bad = tokens(2, 5)
+    bad[1, 2] = 64
+    for model in (small_lm(), build_encoder(64, d_model=32, num_heads=4, ff_dim=64,
+                                            num_layers=1, num_classes=3)):
+        out = to_np(model(bad))
+        assert np.isnan(out[1]).any() and np.isfinite(out[0]).all()

@@ -18,7 +18,7 @@ PAGES = ["README.md", *sorted(os.path.relpath(p, ROOT)
                               for p in glob.glob(os.path.join(ROOT, "docs", "*.md")))]
 # Pages that must keep at least one runnable block (a lost marker would pass silently).
 WITH_EXAMPLES = ["README.md", "docs/masks.md", "docs/generation.md", "docs/saving.md",
-                 "docs/language_models.md",
+                 "docs/language_models.md", "docs/pretrained.md", "docs/reliability.md",
                  "docs/scaling.md", "docs/design.md"]
 
 
