@@ -40,6 +40,19 @@ def test_language_model_is_causal_and_ignores_padding(positional):
     # right padding (pad id 0) leaves the real positions as they are
     padded = np.concatenate([x, np.zeros((2, 4), "int32")], axis=1)
     np.testing.assert_allclose(to_np(lm(padded))[:, :9], base, atol=1e-5)
+    # a padding id inside a sequence is masked as a key (which causality alone would not
+    # hide from the later positions): its embedding row is invisible to every other position
+    holed = x.copy()
+    holed[:, 3] = 0
+    before = to_np(lm(holed))
+    table = lm.get_layer("token_embedding").embeddings
+    value = to_np(table)
+    value[0] += np.random.default_rng(4).normal(size=value.shape[1])  # a norm hides constants
+    table.assign(value)
+    after = to_np(lm(holed))
+    np.testing.assert_allclose(np.delete(after, 3, axis=1), np.delete(before, 3, axis=1),
+                               atol=1e-5)
+    assert np.abs(after[:, 3] - before[:, 3]).max() > 1e-4
     assert np.isfinite(to_np(lm(np.zeros((1, 4), "int32")))).all()
 
 
