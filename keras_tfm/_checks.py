@@ -4,6 +4,8 @@ import keras
 import numpy as np
 from keras import ops
 
+from keras_tfm._backend import call_layer
+
 
 def clone_initializer(initializer):
     """A fresh copy of a Keras initializer: a shared seeded instance would give every sublayer
@@ -121,7 +123,7 @@ def embed_or_nan(embedding, token_ids, vocab_size):
     """
     ids = ops.cast(token_ids, "int32")
     valid = in_vocabulary(ids, vocab_size)
-    vectors = embedding(ops.where(valid, ids, 0))
+    vectors = call_layer(embedding, ops.where(valid, ids, 0))
     # + 0 or NaN per token: one broadcast add, which the backward pass goes straight through.
     return vectors + ops.cast(ops.where(valid, 0.0, float("nan")), vectors.dtype)[..., None]
 

@@ -10,6 +10,7 @@ import keras
 from keras import ops
 
 from keras_tfm import masks as masks_lib
+from keras_tfm._backend import call_layer, dot_product_attention, filled_part, update_cache
 from keras_tfm._checks import clone_initializer
 from keras_tfm._checks import check_dropout, check_key_value_heads, check_positive_int
 from keras_tfm._checks import check_rank, check_same_batch, with_quantized_dtypes
@@ -66,7 +67,7 @@ def scaled_dot_product_attention(
                  and value.shape[-1] == query.shape[-1])
     weights = None
     if use_fused:
-        output = ops.dot_product_attention(query, key, value, mask=mask, scale=scale)
+        output = dot_product_attention(query, key, value, mask, scale)
         if row_has_key is not None:  # (the explicit path zeroes these rows' weights instead)
             output = ops.where(row_has_key[:, :, None, None], output, ops.zeros_like(output))
     else:
@@ -171,11 +172,12 @@ class _MultiHeadAttentionBase(keras.layers.Layer):
     def _rotate(self, x, start_index):
         """Rotary positions on queries or keys `(B, T, H, d)`; the identity without them."""
         rotary = getattr(self, "rotary_embedding", None)
-        return x if rotary is None else rotary(x, start_index=start_index)
+        return x if rotary is None else call_layer(rotary, x, start_index=start_index)
 
     def _project_context(self, context, start_index=0):
         """Keys and values `(B, S, num_key_value_heads, d)` of `context`."""
-        return self._rotate(self.key_dense(context), start_index), self.value_dense(context)
+        return (self._rotate(call_layer(self.key_dense, context), start_index),
+                call_layer(self.value_dense, context))
 
     def _check_cacheable(self):
         if self._value_dim != self._key_dim:
@@ -191,14 +193,14 @@ class _MultiHeadAttentionBase(keras.layers.Layer):
         if groups > 1:  # grouped-query attention: each key/value head serves `groups` heads
             keys, values = ops.repeat(keys, groups, axis=2), ops.repeat(values, groups, axis=2)
         result = scaled_dot_product_attention(
-            self._rotate(self.query_dense(query), start_index), keys, values, mask=mask,
+            self._rotate(call_layer(self.query_dense, query), start_index), keys, values, mask=mask,
             dropout=self.dropout_layer, training=training,
             return_weights=return_attention_scores,
         )
         if return_attention_scores:
             attended, scores = result
-            return self.output_dense(attended), scores
-        return self.output_dense(result)
+            return call_layer(self.output_dense, attended), scores
+        return call_layer(self.output_dense, result)
 
     def _output_spec(self, query, context, return_attention_scores):
         out = keras.KerasTensor(query.shape[:-1] + (self._d_model,), dtype=self.compute_dtype)
@@ -331,9 +333,8 @@ class MultiHeadSelfAttention(_MultiHeadAttentionBase):
         index = ops.cast(cache_update_index, "int32")
         keys, values = self._project_context(inputs, start_index=index)
         update = ops.cast(ops.stack([keys, values], axis=1), cache.dtype)
-        zero = ops.zeros((), "int32")
-        cache = ops.slice_update(cache, (zero, zero, index, zero, zero), update)
-        keys, values = cache[:, 0], cache[:, 1]
+        cache = update_cache(cache, index, update)
+        keys, values = filled_part(cache, index + ops.shape(inputs)[1])
         # Bottom-right over the filled part: query i (at position index + i) sees keys 0 … index + i.
         merged = masks_lib.merge_masks(inputs, keys, attention_mask=attention_mask, causal=True,
                                        causal_offset=index)

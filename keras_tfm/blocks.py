@@ -11,6 +11,7 @@ RMSNorm, a gated feed-forward, rotary positions and grouped-query attention.
 import keras
 
 from keras_tfm import masks as masks_lib
+from keras_tfm._backend import call_layer
 from keras_tfm._checks import check_dropout, check_key_value_heads, check_positive_int
 from keras_tfm._checks import check_rank, check_same_batch, with_quantized_dtypes
 from keras_tfm.attention import CrossAttention, MultiHeadSelfAttention
@@ -123,11 +124,11 @@ class _TransformerBlockBase(keras.layers.Layer):
     def _residual(self, x, sublayer, norm, dropout, training):
         """Residual connection and layer normalization around `sublayer`, post- or pre-LN."""
         if self.norm_first:
-            return x + dropout(sublayer(norm(x)), training=training)
-        return norm(x + dropout(sublayer(x), training=training))
+            return x + call_layer(dropout, sublayer(call_layer(norm, x)), training=training)
+        return call_layer(norm, x + call_layer(dropout, sublayer(x), training=training))
 
     def _feed_forward_residual(self, x, training):
-        return self._residual(x, lambda h: self.feed_forward(h, training=training),
+        return self._residual(x, lambda h: call_layer(self.feed_forward, h, training=training),
                               self.feed_forward_norm, self.feed_forward_dropout, training)
 
     def compute_output_shape(self, input_shape, *args, **kwargs):
@@ -213,8 +214,8 @@ class TransformerEncoderBlock(_TransformerBlockBase):
             mask = masks_lib.keras_mask(inputs)
         x = self._residual(
             inputs,
-            lambda h: self.self_attention(h, attention_mask=attention_mask, training=training,
-                                          mask=mask),
+            lambda h: call_layer(self.self_attention, h, attention_mask=attention_mask,
+                                 training=training, mask=mask),
             self.self_attention_norm, self.self_attention_dropout, training)
         return self._feed_forward_residual(x, training)
 
@@ -310,8 +311,8 @@ class TransformerDecoderBlock(_TransformerBlockBase):
         scores = {}
 
         def self_attention(h):
-            result = self.self_attention(
-                h, attention_mask=self_attention_mask, training=training, mask=inputs_mask,
+            result = call_layer(
+                self.self_attention, h, attention_mask=self_attention_mask, training=training, mask=inputs_mask,
                 return_attention_scores=return_attention_scores, cache=self_attention_cache,
                 cache_update_index=self_attention_cache_update_index)
             if self_attention_cache is not None:
@@ -321,8 +322,8 @@ class TransformerDecoderBlock(_TransformerBlockBase):
             return result
 
         def cross_attention(h):
-            result = self.cross_attention(
-                h, encoder_outputs, attention_mask=cross_attention_mask, training=training,
+            result = call_layer(
+                self.cross_attention, h, encoder_outputs, attention_mask=cross_attention_mask, training=training,
                 return_attention_scores=return_attention_scores,
                 context_cache=cross_attention_cache, query_mask=inputs_mask,
                 context_mask=encoder_outputs_mask)

@@ -6,6 +6,7 @@ import keras
 from keras import ops
 
 from keras_tfm import masks as masks_lib
+from keras_tfm._backend import call_layer, unfused
 from keras_tfm._checks import (check_positive_int, check_token_id, embed_or_nan,
                                with_quantized_dtypes)
 from keras_tfm.positional import (SINUSOIDAL_LAYOUTS, PositionEmbedding,
@@ -115,9 +116,9 @@ class TokenAndPositionEmbedding(keras.layers.Layer):
 
     def call(self, inputs, start_index=0, reverse=False):
         if reverse:
-            logits = self.token_embedding(inputs, reverse=True)
+            logits = call_layer(self.token_embedding, inputs, reverse=True)
             if self.reverse_bias:
-                logits = logits + ops.cast(self.logits_bias, logits.dtype)
+                logits = unfused(logits) + ops.cast(self.logits_bias, logits.dtype)
             return logits
         x = embed_or_nan(self.token_embedding, inputs, self.vocab_size)
         if self.freeze_pad:  # no gradient reaches the padding row (torch's padding_idx)
@@ -125,7 +126,7 @@ class TokenAndPositionEmbedding(keras.layers.Layer):
             x = ops.where(is_pad, ops.stop_gradient(x), x)
         if self.scale:
             x = x * ops.cast(math.sqrt(self.d_model), x.dtype)
-        return self.position(x, start_index=start_index)
+        return call_layer(self.position, x, start_index=start_index)
 
     def compute_mask(self, inputs, mask=None):
         if len(inputs.shape) == 3:  # reverse=True: hidden states keep their own mask

@@ -2,6 +2,7 @@
 
 import keras
 
+from keras_tfm._backend import call_layer
 from keras_tfm._checks import clone_initializer, with_quantized_dtypes
 from keras_tfm._checks import check_dropout, check_positive_int, check_rank
 from keras_tfm.dropout import Dropout
@@ -74,11 +75,11 @@ class FeedForward(keras.layers.Layer):
         self.output_dense.build(tuple(input_shape[:-1]) + (self.ff_dim,))
 
     def call(self, inputs, training=None):
-        hidden = self.intermediate_dense(inputs)
+        hidden = call_layer(self.intermediate_dense, inputs)
         if self.gated:
-            hidden = hidden * self.up_dense(inputs)
-        hidden = self.dropout_layer(hidden, training=training)
-        return self.output_dense(hidden)
+            hidden = hidden * call_layer(self.up_dense, inputs)
+        hidden = call_layer(self.dropout_layer, hidden, training=training)
+        return call_layer(self.output_dense, hidden)
 
     def compute_output_shape(self, input_shape):
         return input_shape

@@ -17,6 +17,7 @@ import numpy as np
 from keras import ops
 
 from keras_tfm import masks as masks_lib
+from keras_tfm._backend import argmax, call_layer, direct_calls, reorder_beams
 from keras_tfm._checks import check_special_ids, check_token_ids
 from keras_tfm.blocks import TransformerDecoderBlock, TransformerEncoderBlock
 from keras_tfm.embedding import TokenAndPositionEmbedding
@@ -102,11 +103,11 @@ class Seq2SeqParts:
     def encode(self, source_tokens):
         """Encoder output `(B, S, d_model)` and the source padding mask `(B, S)`."""
         mask = masks_lib.padding_mask(source_tokens, self.pad_id)
-        x = self.encoder_embedding(source_tokens)
+        x = call_layer(self.encoder_embedding, source_tokens)
         for block in self.encoder_blocks:
-            x = block(x, mask=mask)
+            x = call_layer(block, x, mask=mask)
         if self.encoder_norm is not None:
-            x = self.encoder_norm(x)
+            x = call_layer(self.encoder_norm, x)
         return x, mask
 
     def cross_attention_caches(self, encoder_outputs):
@@ -141,19 +142,19 @@ class Seq2SeqParts:
 
     def decode_step(self, tokens, index, self_caches, cross_caches, source_mask):
         """Logits `(B, V)` (float32) of the tokens `(B, 1)` at position `index`, new caches."""
-        x = self.decoder_embedding(tokens, start_index=index)
+        x = call_layer(self.decoder_embedding, tokens, start_index=index)
         new_caches = []
         for block, cache, cross in zip(self.decoder_blocks, self_caches, cross_caches):
-            x, cache = block(x, self_attention_cache=cache,
-                             self_attention_cache_update_index=index, cross_attention_cache=cross,
-                             encoder_outputs_mask=source_mask)
+            x, cache = call_layer(block, x, self_attention_cache=cache,
+                                  self_attention_cache_update_index=index,
+                                  cross_attention_cache=cross, encoder_outputs_mask=source_mask)
             new_caches.append(cache)
         if self.decoder_norm is not None:
-            x = self.decoder_norm(x)
+            x = call_layer(self.decoder_norm, x)
         if self.output_projection is None:
-            logits = self.decoder_embedding(x, reverse=True)
+            logits = call_layer(self.decoder_embedding, x, reverse=True)
         else:
-            logits = self.output_projection(x)
+            logits = call_layer(self.output_projection, x)
         return ops.cast(logits[:, 0], "float32"), new_caches
 
 
@@ -261,7 +262,7 @@ def _beam_search(parts, source, start_id, end_id, max_length, beam_size, alpha, 
         alive_log_probs, alive_pick = ops.top_k(alive_candidates, k)
         alive_seq = _gather_beams(top_seq, alive_pick)
         parent = ops.reshape(_gather_beams(top_beam, alive_pick) + offsets, (-1,))
-        caches = [ops.take(cache, parent, axis=0) for cache in caches]
+        caches = [reorder_beams(cache, parent, i + 1) for cache in caches]
 
         # Finished hypotheses are kept aside, ranked by their length-penalised score.
         new_scores = ops.where(ends, top_log_probs / _length_penalty(i + 1, alpha), _NEG_INF)
@@ -297,9 +298,16 @@ def _compile(model, search):
     The one backend-specific piece of generation: JAX jit-compiles with the model's variables
     passed in (a StatelessScope), so later weight updates are seen without recompiling;
     TensorFlow traces a tf.function (variables are read live); PyTorch runs eagerly without
-    autograd. Each retraces only for new input shapes.
+    autograd. JAX retraces for each new input shape; TensorFlow traces a second shape once
+    with unknown dimensions (`reduce_retracing`), which then serves every shape. Layers run their `call` directly
+    (`direct_calls`: eager PyTorch would otherwise pay Keras's `__call__` at every step).
     """
     backend = keras.backend.backend()
+
+    def direct(*inputs):  # each layer's `call` without Keras's per-call bookkeeping
+        with direct_calls():
+            return search(*inputs)
+
     if backend == "jax":
         import jax
 
@@ -308,22 +316,22 @@ def _compile(model, search):
         @jax.jit
         def run(values, *inputs):
             with keras.StatelessScope(state_mapping=list(zip(variables, values))):
-                return search(*inputs)
+                return direct(*inputs)
 
         return lambda *inputs: run([v.value for v in variables], *inputs)
     if backend == "tensorflow":
         import tensorflow as tf
 
-        return tf.function(search)
+        return tf.function(direct, reduce_retracing=True)
     if backend == "torch":
         import torch
 
         def run(*inputs):
             with torch.no_grad():
-                return search(*inputs)
+                return direct(*inputs)
 
         return run
-    return search
+    return direct
 
 
 _MAX_COMPILED = 8  # compiled searches kept per model (settings), least recently used dropped
@@ -332,8 +340,10 @@ _MAX_COMPILED = 8  # compiled searches kept per model (settings), least recently
 def _bucket_sources(source_tokens, length_buckets, pad_id, encoder_embedding):
     """The sources right-padded with `pad_id` to the smallest bucket that holds them, so that a
     compiled search (JAX jit, tf.function) retraces once per bucket, not per source length.
-    Padding is masked, so the tokens cannot change. "auto": powers of two from 8 where the
-    search is compiled, none under PyTorch (eager: padding would only add work). No bucket
+    Padding is masked, so the tokens cannot change. "auto": powers of two from 8 under JAX
+    (jit compiles each shape); none under TensorFlow, whose tf.function traces a second
+    call of a new shape once with unknown dimensions and reuses that graph for every later
+    shape, and none under PyTorch (eager): there padding would only add work. No bucket
     exceeds a learned position table; a source longer than every bucket stays as it is.
     """
     auto = isinstance(length_buckets, str) and length_buckets == AUTO
@@ -344,7 +354,7 @@ def _bucket_sources(source_tokens, length_buckets, pad_id, encoder_embedding):
             and list(length_buckets) == sorted(set(length_buckets))):
         raise ValueError('`length_buckets` must be "auto", None or an increasing sequence of '
                          f"positive ints; received length_buckets={length_buckets!r}.")
-    if auto and keras.backend.backend() in ("jax", "tensorflow"):
+    if auto and keras.backend.backend() == "jax":
         length_buckets = [2 ** n for n in range(3, 31)]
     elif auto or length_buckets is None:
         return source_tokens
@@ -455,10 +465,11 @@ def generate(model, source_tokens, start_id=AUTO, end_id=AUTO, max_length=None, 
         seed: int seed of the draws (NumPy uniforms passed to the compiled search: the same
             seed gives the same tokens on every call); None draws a fresh seed.
         length_buckets: source lengths the sources are right-padded up to (the smallest that
-            holds them), so that JAX and TensorFlow compile the search once per bucket rather
-            than once per source length; the padding is masked and cannot change the tokens.
-            "auto": 8, 16, 32, 64, ... under JAX and TensorFlow, none under PyTorch; None: no
-            padding; or an increasing sequence of positive ints.
+            holds them), so that JAX compiles the search once per bucket rather than once per
+            source length; the padding is masked and cannot change the tokens. "auto": 8, 16,
+            32, 64, ... under JAX; none under TensorFlow (its second traced shape gives one
+            graph of unknown lengths for all) and PyTorch (eager); None: no padding; or an
+            increasing sequence of positive ints.
 
     Returns:
         NumPy int32 tokens `(B, L)` with `L ≤ max_length` (the longest sequence; no `<SOS>`,
@@ -601,19 +612,19 @@ class LanguageModelParts:
 
     def forward(self, tokens, index, caches):
         """Logits `(B, T, V)` (float32) of `tokens (B, T)` at positions `index …`, new caches."""
-        x = self.token_embedding(tokens)
+        x = call_layer(self.token_embedding, tokens)
         if self.embedding_scale is not None:
             x = x * ops.cast(self.embedding_scale, x.dtype)
         if self.position is not None:
-            x = self.position(x, start_index=index)
+            x = call_layer(self.position, x, start_index=index)
         new_caches = []
         for block, cache in zip(self.blocks, caches):
-            x, cache = block(x, self_attention_cache=cache,
-                             self_attention_cache_update_index=index)
+            x, cache = call_layer(block, x, self_attention_cache=cache,
+                                  self_attention_cache_update_index=index)
             new_caches.append(cache)
         if self.final_norm is not None:
-            x = self.final_norm(x)
-        return ops.cast(self.output_projection(x), "float32"), new_caches
+            x = call_layer(self.final_norm, x)
+        return ops.cast(call_layer(self.output_projection, x), "float32"), new_caches
 
 
 def _sample(logits, uniform, pad_id, temperature, top_k, top_p):
@@ -623,7 +634,7 @@ def _sample(logits, uniform, pad_id, temperature, top_k, top_p):
     vocab = logits.shape[-1]
     logits = _without_pad(logits / temperature, pad_id)
     if top_k == 1:
-        return ops.cast(ops.argmax(logits, axis=-1), "int32")
+        return argmax(logits)
     if top_k is not None or top_p < 1.0:
         logits, order = ops.top_k(logits, min(top_k or vocab, vocab))  # sorted, descending
     else:
@@ -644,7 +655,7 @@ def _sample(logits, uniform, pad_id, temperature, top_k, top_p):
 
 def _argmax(logits, log_probs, i):
     """The greedy choice of one step, `(B,)` int32."""
-    return ops.cast(ops.argmax(log_probs, axis=-1), "int32")
+    return argmax(log_probs)
 
 
 def _chooser(sampling, pad_id, uniforms):

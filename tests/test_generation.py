@@ -329,8 +329,10 @@ def test_one_compilation_per_length_bucket(monkeypatch):
                         or original(parts, source, *args))
     for length in (3, 5, 8, 9, 12):  # buckets 8, 8, 8, 16, 16
         generate(model, sources(length, batch=3, length=length), SOS, EOS, 4)
-    if BACKEND in ("jax", "tensorflow"):
+    if BACKEND == "jax":
         assert traces == [8, 16]
+    elif BACKEND == "tensorflow":  # no padding: the second shape traces one graph for all
+        assert traces == [3, None]
     else:  # torch runs eagerly: no compilation to save, no padding ("auto")
         assert traces == [3, 5, 8, 9, 12]
 

@@ -1,0 +1,156 @@
+"""The backend fast paths of decoding (keras_tfm/_backend.py) give the plain path's results.
+
+Generation runs its layers' `call` directly (`direct_calls`), and inside it PyTorch writes and
+reorders caches in place, attends to the filled part of the cache only and runs Dense /
+EinsumDense layers as torch matrix products; JAX takes its own argmax and, for one query
+position, an element-wise attention. Each test compares against the plain path (every layer
+through Keras's `__call__`, functional cache updates) or NumPy.
+"""
+
+import contextlib
+
+import keras
+import numpy as np
+import pytest
+from keras import ops
+
+from helpers import BACKEND, np_softmax, to_np
+from keras_tfm import MultiHeadSelfAttention, build_language_model, build_transformer, generate
+from keras_tfm import _backend, generation
+
+
+def marian_like(tied=True, **kwargs):
+    """Shared embeddings, start id = pad id; tied with a logits bias (the opus-mt layout), or
+    a separate logits layer (random tied weights decode one repeated token)."""
+    model = build_transformer(40, 40, d_model=32, num_heads=4, ff_dim=64, num_encoder_layers=2,
+                              num_decoder_layers=2, dropout=0.0, share_embeddings=True,
+                              tie_embeddings=tied, logits_bias=tied, activation="swish",
+                              pad_id=39, start_id=39, end_id=0, **kwargs)
+    rng = np.random.default_rng(0)
+    for weight in model.weights:  # std 0.1 (norms kept): varied tokens, few ties
+        if "norm" not in weight.path:
+            weight.assign(rng.normal(0.0, 0.1, weight.shape).astype(weight.dtype))
+    return model
+
+
+def sources(batch=9, seed=1):
+    rng = np.random.default_rng(seed)
+    src = rng.integers(1, 39, (batch, 7)).astype("int32")
+    if batch > 3:
+        src[1, 4:] = 39  # padded rows
+        src[3, 2:] = 39
+    return src
+
+
+@contextlib.contextmanager
+def plain_path(monkeypatch, model):
+    """Generation with every layer through `Layer.__call__` (no fast path), freshly compiled."""
+    generation._COMPILED.pop(model, None)
+    with monkeypatch.context() as patch:
+        patch.setattr(generation, "direct_calls", contextlib.nullcontext)
+        yield
+    generation._COMPILED.pop(model, None)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+@pytest.mark.parametrize("batch", [1, 9])  # 9 rows: torch's cached (out, in) kernels
+def test_seq2seq_search_equals_the_plain_path(monkeypatch, batch, tied):
+    model = marian_like(tied)
+    src = sources(batch)
+    cases = [dict(method="greedy"), dict(method="beam", beam_size=3),
+             dict(method="sample", temperature=0.7, top_k=5, seed=3)]
+    fast = [generate(model, src, max_length=8, return_scores=True, **case) for case in cases]
+    with plain_path(monkeypatch, model):
+        plain = [generate(model, src, max_length=8, return_scores=True, **case)
+                 for case in cases]
+    for case, (tokens, scores), (expected, expected_scores) in zip(cases, fast, plain):
+        np.testing.assert_array_equal(tokens, expected, err_msg=str(case))
+        np.testing.assert_allclose(scores, expected_scores, atol=1e-4, err_msg=str(case))
+    if not tied and batch > 1:  # the comparison can fail: rows and tokens vary
+        assert len({tuple(row) for row in fast[0][0]}) > 1
+        assert len(set(fast[0][0][0].tolist())) > 1
+
+
+def test_language_model_search_equals_the_plain_path(monkeypatch):
+    lm = build_language_model(40, d_model=32, num_heads=4, ff_dim=64, num_layers=2,
+                              num_key_value_heads=2, dropout=0.0)
+    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13, 14], [3]] * 3  # 12 rows, unequal lengths
+    cases = [dict(method="greedy"), dict(method="sample", top_p=0.9, seed=4)]
+    fast = [generate(lm, prompts, max_length=6, end_id=None, **case) for case in cases]
+    with plain_path(monkeypatch, lm):
+        plain = [generate(lm, prompts, max_length=6, end_id=None, **case) for case in cases]
+    for case, tokens, expected in zip(cases, fast, plain):
+        np.testing.assert_array_equal(tokens, expected, err_msg=str(case))
+
+
+def test_decoding_sees_weights_changed_in_place(monkeypatch):
+    """torch keeps (out, in) copies of the kernels from 8 rows on: a weight update remakes them."""
+    model = marian_like(tied=False)
+    src = sources(9)
+    _, before = generate(model, src, max_length=4, end_id=None, return_scores=True)
+    for weight in model.weights:  # every kernel (cached under torch) changes in place
+        if weight.path.endswith("kernel"):
+            weight.assign(ops.convert_to_tensor(to_np(weight) * 1.5))
+    tokens, scores = generate(model, src, max_length=4, end_id=None, return_scores=True)
+    with plain_path(monkeypatch, model):
+        expected, expected_scores = generate(model, src, max_length=4, end_id=None,
+                                             return_scores=True)
+    np.testing.assert_array_equal(tokens, expected)
+    np.testing.assert_allclose(scores, expected_scores, atol=1e-4)
+    assert np.abs(scores - before).max() > 1e-2
+
+
+def test_the_cache_is_updated_in_place_only_inside_generation():
+    layer = MultiHeadSelfAttention(num_heads=2, causal=True)
+    x = keras.random.normal((2, 1, 8), seed=1)
+    layer(x)
+    cache = ops.zeros((2, 2, 4, 2, 4))
+    out, new = layer(x, cache=cache, cache_update_index=1)
+    assert float(ops.max(ops.abs(cache))) == 0.0  # the caller's cache is left as it was
+    assert float(ops.max(ops.abs(new[:, :, 1]))) > 0.0
+    with _backend.direct_calls():
+        direct_out, direct_new = _backend.call_layer(layer, x, cache=ops.zeros((2, 2, 4, 2, 4)),
+                                                     cache_update_index=1)
+    np.testing.assert_allclose(to_np(direct_out), to_np(out), atol=1e-6)
+    np.testing.assert_allclose(to_np(direct_new), to_np(new), atol=1e-6)
+
+
+@pytest.mark.parametrize("batch, length", [(1, 1), (3, 1), (3, 4)])
+def test_attention_helper_matches_numpy(batch, length):
+    rng = np.random.default_rng(batch + length)
+    q = rng.normal(size=(batch, length, 2, 4)).astype("float32")
+    k = rng.normal(size=(batch, 6, 2, 4)).astype("float32")
+    v = rng.normal(size=(batch, 6, 2, 4)).astype("float32")
+    mask = rng.random((batch, 1, length, 6)) > 0.4
+    mask[..., 0] = True  # every row has a key (scaled_dot_product_attention sees to that)
+    out = to_np(_backend.dot_product_attention(ops.convert_to_tensor(q), ops.convert_to_tensor(k),
+                                               ops.convert_to_tensor(v),
+                                               ops.convert_to_tensor(mask), 0.5))
+    scores = np.einsum("bthd,bshd->bhts", q, k) * 0.5
+    weights = np_softmax(np.where(mask, scores, -1e9))
+    np.testing.assert_allclose(out, np.einsum("bhts,bshd->bthd", weights, v), atol=1e-5)
+
+
+def test_argmax_helper_takes_the_first_maximum():
+    x = np.array([[0.0, 3.0, 3.0, 1.0], [5.0, 5.0, 5.0, 5.0], [-2.0, -1.0, -3.0, -1.0]],
+                 "float32")
+    got = to_np(_backend.argmax(ops.convert_to_tensor(x)))
+    np.testing.assert_array_equal(got, [1, 0, 1])
+    assert got.dtype == np.int32
+    big = np.random.default_rng(0).normal(size=(5, 1000)).astype("float32")
+    np.testing.assert_array_equal(to_np(_backend.argmax(ops.convert_to_tensor(big))),
+                                  big.argmax(-1))
+
+
+def test_mixed_precision_layers_keep_keras_call(monkeypatch):
+    """A layer whose variables are float32 but computes in bfloat16 needs `__call__`'s
+    autocasting: the fast path leaves it there, and decoding equals the plain path."""
+    model = marian_like(tied=False, dtype="mixed_bfloat16")
+    src = sources(9)
+    fast = generate(model, src, max_length=5)
+    with plain_path(monkeypatch, model):
+        plain = generate(model, src, max_length=5)
+    np.testing.assert_array_equal(fast, plain)
+    if BACKEND == "torch":  # the linear fast path never saw a mixed layer
+        assert not any(layer.dtype_policy.name == "mixed_bfloat16"
+                       for layer in _backend._LINEAR)
