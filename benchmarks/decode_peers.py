@@ -6,14 +6,18 @@
 
 One MarianMTModel with random weights is saved once to a temporary directory and loaded into
 transformers (PyTorch), CTranslate2 (`TransformersConverter`; float32 and int8 compute) and
-keras_tfm (`from_marian`) under JAX, TensorFlow and PyTorch; every engine runs in its own
+keras_tfm (`from_marian`) under JAX, TensorFlow and PyTorch (and under JAX after
+`model.quantize("int8")`, beside CTranslate2 int8); every engine runs in its own
 process, on the same sources (random ids ending with </s>). Cells: batch 1 and 16 greedy, batch
 16 beam 4 (and 64 greedy with `--batch64`), each exactly 32 new tokens (transformers
 `min_new_tokens`, CTranslate2 `min_decoding_length`, keras_tfm `end_id=None`), median of
-`--repeats` after a warm-up; and the stream cell, run first in each process: `--stream` sources
-of random lengths 5-60, one call each, wall time with compilation (`--no-length-buckets`:
-keras_tfm compiles once per source length). Greedy tokens of a mixed-length batch (natural end)
-are compared across engines. Results: results/decode_peers.json and .png.
+`--repeats` after a warm-up, and batch 1 greedy with 128 new tokens (decoding time against
+the number of new tokens: linear when 128 tokens take at most 4× the time of 32); and the two
+stream cells, run first in each process, wall time with compilation: `--stream` sources of
+random lengths 5-60, one call each, then the same sources in batches of 16 of mixed lengths
+(`--no-length-buckets`: keras_tfm-jax compiles once per source length). Greedy tokens of a
+mixed-length batch (natural end) are compared across engines. Results:
+results/decode_peers.json and .png.
 """
 
 import argparse
@@ -35,14 +39,17 @@ SHAPES = {  # base: opus-mt's shape and layout (one matrix for both embeddings a
     "small": dict(d_model=16, heads=2, ff=32, layers=2, vocab=64, tied=False),
 }
 KERAS_ENGINES = ("keras_tfm-jax", "keras_tfm-tensorflow", "keras_tfm-torch")
+KERAS_INT8 = ("keras_tfm-jax-int8",)  # model.quantize("int8"), beside CTranslate2's int8
 PEERS = ("transformers", "ctranslate2-float32", "ctranslate2-int8")
-ENGINES = PEERS + KERAS_ENGINES
-NEW_TOKENS, SOURCE_LENGTH, STREAM_LENGTHS = 32, 24, (5, 60)
+ENGINES = PEERS + KERAS_ENGINES + KERAS_INT8
+NEW_TOKENS, LONG, SOURCE_LENGTH, STREAM_LENGTHS = 32, 128, 24, (5, 60)
 EOS = 0  # Marian: </s> = 0, <unk> = 1, <pad> = the last id
 # (name, batch, beam): the fixed-shape cells.
 CELLS = (("batch 1, greedy", 1, 1), ("batch 16, greedy", 16, 1), ("batch 16, beam 4", 16, 4))
 BATCH64 = ("batch 64, greedy", 64, 1)
+LONG_CELL = f"batch 1, greedy, {LONG} tokens"  # against "batch 1, greedy": linear in tokens?
 STREAM = "stream, one call each"
+STREAM16 = "stream, batches of 16"
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
@@ -141,12 +148,12 @@ def make_engine(name, model_dir, ct2_dir, length_buckets="auto"):
 
         hf = MarianMTModel.from_pretrained(model_dir).eval()
 
-        def translate(batch, beam, forced):
+        def translate(batch, beam, forced, new_tokens=NEW_TOKENS):
             ids = torch.tensor(pad_batch(batch, pad))
             with torch.inference_mode():
                 out = hf.generate(input_ids=ids, attention_mask=ids != pad, num_beams=beam,
-                                  do_sample=False, max_new_tokens=NEW_TOKENS,
-                                  min_new_tokens=NEW_TOKENS if forced else 0,
+                                  do_sample=False, max_new_tokens=new_tokens,
+                                  min_new_tokens=new_tokens if forced else 0,
                                   suppress_tokens=[pad], forced_eos_token_id=None)
             return out.numpy()[:, 1:]
     elif name.startswith("ctranslate2"):
@@ -158,10 +165,10 @@ def make_engine(name, model_dir, ct2_dir, length_buckets="auto"):
         tokens = vocabulary(pad + 1)
         ids = {t: i for i, t in enumerate(tokens)}
 
-        def translate(batch, beam, forced):
+        def translate(batch, beam, forced, new_tokens=NEW_TOKENS):
             results = translator.translate_batch(
                 [[tokens[i] for i in s] for s in batch], beam_size=beam,
-                max_decoding_length=NEW_TOKENS, min_decoding_length=NEW_TOKENS if forced else 1,
+                max_decoding_length=new_tokens, min_decoding_length=new_tokens if forced else 1,
                 return_end_token=True)
             return [[ids[t] for t in r.hypotheses[0]] for r in results]
     else:
@@ -174,9 +181,11 @@ def make_engine(name, model_dir, ct2_dir, length_buckets="auto"):
         if keras.backend.backend() != backend:
             raise ValueError(f"{name} needs a fresh process (Keras runs {keras.backend.backend()})")
         model = keras_tfm.from_marian(model_dir)
+        if name in KERAS_INT8:
+            model.quantize("int8")
 
-        def translate(batch, beam, forced):
-            return keras_tfm.generate(model, pad_batch(batch, pad), max_length=NEW_TOKENS,
+        def translate(batch, beam, forced, new_tokens=NEW_TOKENS):
+            return keras_tfm.generate(model, pad_batch(batch, pad), max_length=new_tokens,
                                       method="beam" if beam > 1 else "greedy", beam_size=beam,
                                       end_id=None if forced else "auto",
                                       length_buckets=length_buckets)
@@ -245,19 +254,24 @@ def run_engine(name, model_dir, ct2_dir, stream=30, repeats=3, batch64=False,
     fixed, stream_sources, check = sources(pad + 1, stream)
     result = {"engine": name, "load_s": load_s, "cells": {}}
 
-    start = time.perf_counter()  # first: no warm-up, compilation included
-    new_tokens = sum(count(translate([s], 1, True), pad) for s in stream_sources)
-    seconds = time.perf_counter() - start
-    result["cells"][STREAM] = {"seconds": [seconds], "new_tokens": new_tokens,
-                               "tokens_per_s": new_tokens / seconds}
+    # First, with no warm-up and compilation included: the stream one source at a time, then
+    # the same sources in batches of 16 of mixed lengths (new shapes again).
+    for cell, size in ((STREAM, 1), (STREAM16, 16)):
+        start = time.perf_counter()
+        new_tokens = sum(count(translate(stream_sources[i:i + size], 1, True), pad)
+                         for i in range(0, len(stream_sources), size))
+        seconds = time.perf_counter() - start
+        result["cells"][cell] = {"seconds": [seconds], "new_tokens": new_tokens,
+                                 "tokens_per_s": new_tokens / seconds}
 
     cells = CELLS + ((BATCH64,) if batch64 else ())
-    for cell, batch, beam in cells:
-        new_tokens = count(translate(fixed[:batch], beam, True), pad)  # and warm-up
+    for cell, batch, beam in cells + ((LONG_CELL, 1, 1),):
+        tokens = LONG if cell == LONG_CELL else NEW_TOKENS
+        new_tokens = count(translate(fixed[:batch], beam, True, tokens), pad)  # and warm-up
         times = []
         for _ in range(repeats):
             start = time.perf_counter()
-            translate(fixed[:batch], beam, True)
+            translate(fixed[:batch], beam, True, tokens)
             times.append(time.perf_counter() - start)
         median = statistics.median(times)
         result["cells"][cell] = {"seconds": times, "new_tokens": new_tokens,
@@ -290,18 +304,27 @@ def agreement(results, reference="transformers"):
 
 
 def ratios(results):
-    """keras_tfm tokens/s over transformers' and CTranslate2 fp32's, per backend and cell."""
+    """keras_tfm tokens/s over transformers' and CTranslate2 fp32's (int8 keras_tfm also over
+    CTranslate2 int8's), per backend and cell."""
     out = {}
-    for name in KERAS_ENGINES:
+    for name in KERAS_ENGINES + KERAS_INT8:
         if name not in results:
             continue
-        for peer in ("transformers", "ctranslate2-float32"):
+        for peer in ("transformers", "ctranslate2-float32") + (
+                ("ctranslate2-int8",) if name in KERAS_INT8 else ()):
             if peer not in results:
                 continue
             out[f"{name} / {peer}"] = {
                 cell: value["tokens_per_s"] / results[peer]["cells"][cell]["tokens_per_s"]
                 for cell, value in results[name]["cells"].items()}
     return out
+
+
+def linearity(result):
+    """Seconds for LONG new tokens over seconds for NEW_TOKENS, batch 1 greedy (medians)."""
+    cells = result["cells"]
+    return (statistics.median(cells[LONG_CELL]["seconds"])
+            / statistics.median(cells["batch 1, greedy"]["seconds"]))
 
 
 def table(results):
@@ -316,8 +339,13 @@ def table(results):
         lines += ["", "| ratio | " + " | ".join(cells) + " |", "|---" * (len(cells) + 1) + "|"]
         lines += [f"| {pair} | " + " | ".join(f"{r[c]:.2f}×" for c in cells) + " |"
                   for pair, r in pairs.items()]
+    if all(LONG_CELL in r["cells"] for r in results.values()):
+        lines += ["", f"| {LONG} ÷ {NEW_TOKENS} new tokens, seconds at batch 1 | "
+                  + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|",
+                  f"| (linear: ≤ {LONG // NEW_TOKENS}) | " + " | ".join(
+                      f"{linearity(results[n]):.2f}" for n in names) + " |"]
     floors = [n for n in KERAS_ENGINES if n in results]
-    fixed = [c for c in cells if c != STREAM]
+    fixed = [c for c in cells if floors and "matmul_floor_s" in results[floors[0]]["cells"][c]]
     if floors and all("matmul_floor_s" in results[n]["cells"][c] for n in floors for c in fixed):
         lines += ["", "| seconds ÷ matmul floor | " + " | ".join(fixed) + " |",
                   "|---" * (len(fixed) + 1) + "|"]
@@ -410,7 +438,8 @@ def main():
     with open(stem + ".json", "w") as f:
         json.dump({"shape": SHAPES[shape_name], "options": options, "cpus": os.cpu_count(),
                    "machine": platform.processor() or platform.machine(), "versions": versions,
-                   "results": results, "ratios": ratios(results), "agreement": check},
+                   "results": results, "ratios": ratios(results), "agreement": check,
+                   "linearity": {n: linearity(r) for n, r in results.items()}},
                   f, indent=1)
     plot(results, stem + ".png")
 

@@ -292,14 +292,15 @@ def _beam_search(parts, source, start_id, end_id, max_length, beam_size, alpha, 
 _COMPILED = weakref.WeakKeyDictionary()
 
 
-def _compile(model, search):
+def _compile(model, search, static_shapes=False):
     """Compile `search(*inputs)` once per model and settings, where the backend allows it.
 
     The one backend-specific piece of generation: JAX jit-compiles with the model's variables
     passed in (a StatelessScope), so later weight updates are seen without recompiling;
     TensorFlow traces a tf.function (variables are read live); PyTorch runs eagerly without
     autograd. JAX retraces for each new input shape; TensorFlow traces a second shape once
-    with unknown dimensions (`reduce_retracing`), which then serves every shape. Layers run their `call` directly
+    with unknown dimensions (`reduce_retracing`), which then serves every shape, unless
+    `static_shapes` (a search whose cache size depends on an input's shape). Layers run their `call` directly
     (`direct_calls`: eager PyTorch would otherwise pay Keras's `__call__` at every step).
     """
     backend = keras.backend.backend()
@@ -322,7 +323,7 @@ def _compile(model, search):
     if backend == "tensorflow":
         import tensorflow as tf
 
-        return tf.function(direct, reduce_retracing=True)
+        return tf.function(direct, reduce_retracing=not static_shapes)
     if backend == "torch":
         import torch
 
@@ -535,7 +536,8 @@ def generate(model, source_tokens, start_id=AUTO, end_id=AUTO, max_length=None, 
     return _run_in_chunks(model, key, search, inputs, batch_size, verbose, pad_id, return_scores)
 
 
-def _run_in_chunks(model, key, search, inputs, batch_size, verbose, pad_id, return_scores):
+def _run_in_chunks(model, key, search, inputs, batch_size, verbose, pad_id, return_scores,
+                   static_shapes=False):
     """Compile `search` once per `key`, run it on chunks of the NumPy `inputs` (rows along the
     first axis) and return the tokens, cut after the longest sequence, and the scores."""
     # The variables are part of the key: `model.quantize` replaces them, and a search compiled
@@ -545,7 +547,7 @@ def _run_in_chunks(model, key, search, inputs, batch_size, verbose, pad_id, retu
     if cached is None or cached[0] != variables:
         cached = _COMPILED[model] = (variables, {})
     compiled = cached[1]
-    run = compiled.pop(key, None) or _compile(model, search)
+    run = compiled.pop(key, None) or _compile(model, search, static_shapes)
     compiled[key] = run  # the most recently used last
     while len(compiled) > _MAX_COMPILED:
         del compiled[next(iter(compiled))]
@@ -809,4 +811,6 @@ def generate_language_model(model, prompts, max_length, end_id=AUTO, pad_id=AUTO
         def search(prompts, lengths):
             return _language_model_search(parts, prompts, lengths, stop_id, max_length)
 
-    return _run_in_chunks(model, key, search, inputs, batch_size, verbose, pad_id, return_scores)
+    # The caches hold prompt length + max_length positions: a static shape for tf.function.
+    return _run_in_chunks(model, key, search, inputs, batch_size, verbose, pad_id, return_scores,
+                          static_shapes=True)

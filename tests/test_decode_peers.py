@@ -28,14 +28,19 @@ def test_engines_count_their_tokens_and_agree(model_dir):
                                    repeats=1) for name in names}
     for result in results.values():
         cells = result["cells"]
-        assert list(cells) == [dp.STREAM] + [name for name, _, _ in dp.CELLS]
-        assert cells[dp.STREAM]["new_tokens"] == 3 * dp.NEW_TOKENS  # forced: 32 each
+        assert list(cells) == ([dp.STREAM, dp.STREAM16] + [name for name, _, _ in dp.CELLS]
+                               + [dp.LONG_CELL])
+        for stream in (dp.STREAM, dp.STREAM16):
+            assert cells[stream]["new_tokens"] == 3 * dp.NEW_TOKENS  # forced: 32 each
         for name, batch, _ in dp.CELLS:
             assert cells[name]["new_tokens"] == batch * dp.NEW_TOKENS
             assert len(cells[name]["seconds"]) == 1 and cells[name]["tokens_per_s"] > 0
+        assert cells[dp.LONG_CELL]["new_tokens"] == dp.LONG
+        assert dp.linearity(result) > 0
     keras_cells = results[names[-1]]["cells"]
     assert all(keras_cells[name]["matmul_floor_s"] > 0 for name, _, _ in dp.CELLS)
     assert "seconds ÷ matmul floor" in dp.table(results)
+    assert f"{dp.LONG} ÷ {dp.NEW_TOKENS} new tokens" in dp.table(results)
     check = dp.agreement(results)
     assert {name: c["equal_rows"] for name, c in check.items()} == dict.fromkeys(names, 16)
     # The check is not trivial: the rows differ and vary along the way.
