@@ -298,10 +298,11 @@ def _compile(model, search, static_shapes=False):
     The one backend-specific piece of generation: JAX jit-compiles with the model's variables
     passed in (a StatelessScope), so later weight updates are seen without recompiling;
     TensorFlow traces a tf.function (variables are read live); PyTorch runs eagerly without
-    autograd. JAX retraces for each new input shape; TensorFlow traces a second shape once
-    with unknown dimensions (`reduce_retracing`), which then serves every shape, unless
-    `static_shapes` (a search whose cache size depends on an input's shape). Layers run their `call` directly
-    (`direct_calls`: eager PyTorch would otherwise pay Keras's `__call__` at every step).
+    autograd. JAX retraces for each new input shape; TensorFlow traces once, with every
+    dimension unknown, and that graph serves every shape, unless `static_shapes` (a search
+    whose cache size depends on an input's shape: one trace per shape). Layers run their
+    `call` directly (`direct_calls`: eager PyTorch would otherwise pay Keras's `__call__` at
+    every step).
     """
     backend = keras.backend.backend()
 
@@ -323,7 +324,17 @@ def _compile(model, search, static_shapes=False):
     if backend == "tensorflow":
         import tensorflow as tf
 
-        return tf.function(direct, reduce_retracing=not static_shapes)
+        if static_shapes:
+            return tf.function(direct)
+        graph = []
+
+        def run(*inputs):  # one graph of unknown dimensions, traced at the first call
+            if not graph:
+                graph.append(tf.function(direct, input_signature=[
+                    tf.TensorSpec([None] * len(x.shape), tf.as_dtype(x.dtype)) for x in inputs]))
+            return graph[0](*inputs)
+
+        return run
     if backend == "torch":
         import torch
 
@@ -340,10 +351,9 @@ _MAX_COMPILED = 8  # compiled searches kept per model (settings), least recently
 
 def _bucket_sources(source_tokens, length_buckets, pad_id, encoder_embedding):
     """The sources right-padded with `pad_id` to the smallest bucket that holds them, so that a
-    compiled search (JAX jit, tf.function) retraces once per bucket, not per source length.
-    Padding is masked, so the tokens cannot change. "auto": powers of two from 8 under JAX
-    (jit compiles each shape); none under TensorFlow, whose tf.function traces a second
-    call of a new shape once with unknown dimensions and reuses that graph for every later
+    compiled search (JAX jit) retraces once per bucket, not per source length. Padding is
+    masked, so the tokens cannot change. "auto": powers of two from 8 under JAX (jit compiles
+    each shape); none under TensorFlow, whose one graph of unknown dimensions serves every
     shape, and none under PyTorch (eager): there padding would only add work. No bucket
     exceeds a learned position table; a source longer than every bucket stays as it is.
     """
@@ -468,8 +478,8 @@ def generate(model, source_tokens, start_id=AUTO, end_id=AUTO, max_length=None, 
         length_buckets: source lengths the sources are right-padded up to (the smallest that
             holds them), so that JAX compiles the search once per bucket rather than once per
             source length; the padding is masked and cannot change the tokens. "auto": 8, 16,
-            32, 64, ... under JAX; none under TensorFlow (its second traced shape gives one
-            graph of unknown lengths for all) and PyTorch (eager); None: no padding; or an
+            32, 64, ... under JAX; none under TensorFlow (one graph of unknown lengths
+            serves all) and PyTorch (eager); None: no padding; or an
             increasing sequence of positive ints.
 
     Returns:
