@@ -54,14 +54,15 @@ def call_layer(layer, *args, **kwargs):
     than its matmuls at batch 1. Decoding needs none of that bookkeeping, so inside
     `direct_calls()` a built layer's `call` (`quantized_call` when quantized) runs directly. A
     layer whose variables have another dtype than its computations (mixed precision) still
-    goes through `__call__`, which casts its variables. Under JAX and TensorFlow this only
-    shortens tracing.
+    goes through `__call__`, which casts its variables. Under PyTorch a `Dense` or
+    `EinsumDense` layer runs as a torch matrix product (`_torch_linear`). Under JAX and
+    TensorFlow this only shortens tracing.
     """
     if (getattr(_DIRECT, "on", False) and layer.built
             and layer.compute_dtype == layer.variable_dtype):
         if layer.quantization_mode is not None:
             return layer.quantized_call(*args, **kwargs)
-        if keras.backend.backend() == "torch" and len(args) == 1 and not kwargs and not __import__("os").environ.get("NOLIN"):
+        if keras.backend.backend() == "torch" and len(args) == 1 and not kwargs:
             output = _torch_linear(layer, args[0])
             if output is not None:
                 return output
@@ -151,8 +152,8 @@ def _torch_linear(layer, inputs):
     `ops.einsum` and `ops.add` cost ~40 µs of Python a call at one token, against ~15 µs for
     the product itself. From 8 rows on, the product runs against a cached `(out, in)` copy of
     the kernel (`torch.nn.Linear`'s layout, which transformers uses): on the CPU torch's
-    matrix products were 15-25% faster so at 16 and 64 rows, and ~20% slower at one row,
-    than against Keras's `(in, out)` kernel. The copy (as much memory again as the kernel) is
+    matrix products against it were 15-25% faster at 16 and 64 rows, and ~20% slower at one
+    row, than against Keras's `(in, out)` kernel. The copy (as much memory again as the kernel) is
     remade when a weight changes (torch counts in-place updates).
     """
     contracted = _linear_form(layer)

@@ -192,9 +192,9 @@ class _MultiHeadAttentionBase(keras.layers.Layer):
         groups = self.num_heads // self._kv_heads
         if groups > 1:  # grouped-query attention: each key/value head serves `groups` heads
             keys, values = ops.repeat(keys, groups, axis=2), ops.repeat(values, groups, axis=2)
+        queries = self._rotate(call_layer(self.query_dense, query), start_index)
         result = scaled_dot_product_attention(
-            self._rotate(call_layer(self.query_dense, query), start_index), keys, values, mask=mask,
-            dropout=self.dropout_layer, training=training,
+            queries, keys, values, mask=mask, dropout=self.dropout_layer, training=training,
             return_weights=return_attention_scores,
         )
         if return_attention_scores:

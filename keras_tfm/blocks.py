@@ -312,8 +312,9 @@ class TransformerDecoderBlock(_TransformerBlockBase):
 
         def self_attention(h):
             result = call_layer(
-                self.self_attention, h, attention_mask=self_attention_mask, training=training, mask=inputs_mask,
-                return_attention_scores=return_attention_scores, cache=self_attention_cache,
+                self.self_attention, h, attention_mask=self_attention_mask, training=training,
+                mask=inputs_mask, return_attention_scores=return_attention_scores,
+                cache=self_attention_cache,
                 cache_update_index=self_attention_cache_update_index)
             if self_attention_cache is not None:
                 result, scores["cache"] = result
@@ -323,8 +324,8 @@ class TransformerDecoderBlock(_TransformerBlockBase):
 
         def cross_attention(h):
             result = call_layer(
-                self.cross_attention, h, encoder_outputs, attention_mask=cross_attention_mask, training=training,
-                return_attention_scores=return_attention_scores,
+                self.cross_attention, h, encoder_outputs, attention_mask=cross_attention_mask,
+                training=training, return_attention_scores=return_attention_scores,
                 context_cache=cross_attention_cache, query_mask=inputs_mask,
                 context_mask=encoder_outputs_mask)
             if return_attention_scores:
