@@ -366,15 +366,17 @@ def plot(results, path):
 
     names = [n for n in ENGINES if n in results]
     cells = list(next(iter(results.values()))["cells"])
-    fig, ax = plt.subplots(figsize=(10, 4.5))
+    fig, ax = plt.subplots(figsize=(11, 5))
     width = 0.8 / len(names)
     for i, name in enumerate(names):
         ax.bar(np.arange(len(cells)) + i * width, [results[name]["cells"][c]["tokens_per_s"]
                                                    for c in cells], width, label=name)
-    ax.set_xticks(np.arange(len(cells)) + 0.4 - width / 2, cells)
+    ax.set_xticks(np.arange(len(cells)) + 0.4 - width / 2,
+                  [c.replace(", ", "\n") for c in cells])
     ax.set_yscale("log")
     ax.set_ylabel("new tokens / s (log)")
-    ax.set_title("Decoding, same MarianMT weights, 32 new tokens, CPU")
+    ax.set_title(f"Decoding, same MarianMT weights, {NEW_TOKENS} new tokens ({LONG} in the "
+                 "last cell), CPU")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
