@@ -102,11 +102,15 @@ def dot_product_attention(query, key, value, mask, scale):
         if jax.default_backend() == "cpu":
             from keras_tfm.masks import apply_to_scores
 
-            scores = ops.cast(ops.sum(query * key, axis=-1), "float32") * scale  # (B, S, H)
+            # In float32 throughout, as the fused path accumulates (half-precision sums would
+            # differ from it).
+            query, key = ops.cast(query, "float32"), ops.cast(key, "float32")
+            scores = ops.sum(query * key, axis=-1) * scale  # (B, S, H)
             if mask is not None:  # (B|1, 1, 1, S|1) -> (B|1, S|1, 1)
                 scores = apply_to_scores(scores, ops.transpose(mask[:, 0], (0, 2, 1)))
-            weights = ops.cast(ops.softmax(scores, axis=1), value.dtype)
-            return ops.sum(weights[..., None] * value, axis=1, keepdims=True)
+            weights = ops.softmax(scores, axis=1)[..., None]
+            output = ops.sum(weights * ops.cast(value, "float32"), axis=1, keepdims=True)
+            return ops.cast(output, value.dtype)
     return ops.dot_product_attention(query, key, value, mask=mask, scale=scale)
 
 
@@ -172,7 +176,8 @@ def _torch_linear(layer, inputs):
         if bias is not None:
             output = output + bias.reshape(-1)
     else:
-        versions = (kernel._version, None if bias is None else bias._version)
+        versions = (kernel.data_ptr(), kernel._version,  # the same tensor, not updated since
+                    None if bias is None else (bias.data_ptr(), bias._version))
         cached = _LINEAR.get(layer)
         if cached is None or cached[0] != versions:
             weight = kernel.reshape(inputs.shape[-1], -1).T.contiguous()
@@ -189,7 +194,8 @@ def filled_part(cache, length):
     Under PyTorch inside `direct_calls()` (generation, which passes no `attention_mask`),
     views of the first `length` (filled) positions, as transformers' growing cache attends to;
     otherwise the whole cache, whose unfilled positions the causal mask excludes (compiled
-    backends need static shapes).
+    backends need static shapes). (On a GPU, `int(length)` waits for the device once a layer
+    and step.)
     """
     if keras.backend.backend() == "torch" and getattr(_DIRECT, "on", False):
         cache = cache.narrow(2, 0, int(length))

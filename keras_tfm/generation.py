@@ -519,6 +519,10 @@ def generate(model, source_tokens, start_id=AUTO, end_id=AUTO, max_length=None, 
             "search draws 2 * beam_size candidates among the non-padding tokens."
         )
     source_tokens = _source_array(source_tokens, parts.encoder_embedding.vocab_size, pad_id)
+    table = parts.encoder_embedding.max_length
+    if parts.encoder_embedding.positional == "learned" and source_tokens.shape[1] > table:
+        raise ValueError(f"Sources of length {source_tokens.shape[1]} exceed the encoder's "
+                         f"learned position table (max_length={table}).")
     source_tokens = _bucket_sources(source_tokens, length_buckets, pad_id,
                                     parts.encoder_embedding)
     stop_id = _NO_END if end_id is None else end_id

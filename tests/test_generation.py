@@ -251,6 +251,8 @@ def test_bad_input_is_a_clear_error():
     learned = small_model(positional="learned", max_length=6)
     with pytest.raises(ValueError, match="max_length.*=7.*learned position table"):
         generate(learned, src, SOS, EOS, 7)
+    with pytest.raises(ValueError, match="length 9 exceed the encoder's learned position table"):
+        generate(learned, src, SOS, EOS, 5)  # src has 9 tokens, the table 6
     encoder_only = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
     with pytest.raises(ValueError, match="not a keras_tfm encoder-decoder"):
         generate(encoder_only, src, SOS, EOS, 5)
