@@ -2,6 +2,7 @@
 says why it is needed. Everything else uses `keras.ops` alone."""
 
 import contextlib
+import functools
 import math
 import threading
 import weakref
@@ -30,6 +31,16 @@ def unfused(x):
 _DIRECT = threading.local()
 
 
+def _direct():
+    return getattr(_DIRECT, "on", False)
+
+
+def _torch_direct():
+    """Eager PyTorch inside `direct_calls()`: generation owns its caches, which may then be
+    written in place."""
+    return _direct() and keras.backend.backend() == "torch"
+
+
 @contextlib.contextmanager
 def direct_calls():
     """Within this scope, `call_layer` runs built layers' `call` directly (see there).
@@ -37,7 +48,7 @@ def direct_calls():
     Generation enters it around its search: the layers are built, inputs are tensors of the
     compute dtype, and masks and `training` are passed explicitly.
     """
-    previous = getattr(_DIRECT, "on", False)
+    previous = _direct()
     _DIRECT.on = True
     try:
         yield
@@ -58,8 +69,7 @@ def call_layer(layer, *args, **kwargs):
     `EinsumDense` layer runs as a torch matrix product (`_torch_linear`). Under JAX and
     TensorFlow this only shortens tracing.
     """
-    if (getattr(_DIRECT, "on", False) and layer.built
-            and layer.compute_dtype == layer.variable_dtype):
+    if _direct() and layer.built and layer.compute_dtype == layer.variable_dtype:
         if layer.quantization_mode is not None:
             return layer.quantized_call(*args, **kwargs)
         if keras.backend.backend() == "torch" and len(args) == 1 and not kwargs:
@@ -121,7 +131,7 @@ def update_cache(cache, index, update):
     its caches and never reads an old one again): there the cache is written in place, as
     Keras's torch `slice_update` clones the whole cache at every decoding step.
     """
-    if keras.backend.backend() == "torch" and getattr(_DIRECT, "on", False):
+    if _torch_direct():
         cache.narrow(2, index, update.shape[2]).copy_(update)
         return cache
     zero = ops.zeros((), "int32")
@@ -141,11 +151,21 @@ def _linear_form(layer):
         return 1
     if type(layer) is not keras.layers.EinsumDense:
         return None
-    inputs, rest = layer.equation.split(",")
+    n = _contracted_axes(layer.equation)
+    if n is None or (layer.bias is not None
+                     and tuple(layer.bias.shape) != tuple(layer.kernel.shape[n:])):
+        return None
+    return n
+
+
+@functools.lru_cache(maxsize=None)
+def _contracted_axes(equation):
+    """n for an einsum `...x,xk->...k` contracting the input's last n axes with the kernel's
+    first n (parsed once per equation: layers call this at every decoding step)."""
+    inputs, rest = equation.split(",")
     kernel, output = rest.split("->")
     n = sum(letter in inputs for letter in kernel)
-    bias_ok = layer.bias is None or tuple(layer.bias.shape) == tuple(layer.kernel.shape[n:])
-    if kernel[:n] == inputs[-n:] and output == inputs[:-n] + kernel[n:] and bias_ok:
+    if kernel[:n] == inputs[-n:] and output == inputs[:-n] + kernel[n:]:
         return n
     return None
 
@@ -197,7 +217,7 @@ def filled_part(cache, length):
     backends need static shapes). (On a GPU, `int(length)` waits for the device once a layer
     and step.)
     """
-    if keras.backend.backend() == "torch" and getattr(_DIRECT, "on", False):
+    if _torch_direct():
         cache = cache.narrow(2, 0, int(length))
     return cache[:, 0], cache[:, 1]
 
@@ -208,7 +228,7 @@ def reorder_beams(cache, parent, length):
     Under PyTorch inside `direct_calls()`, only the first `length` (filled) positions are
     gathered, in place: a beam step otherwise copies every layer's whole cache.
     """
-    if keras.backend.backend() == "torch" and getattr(_DIRECT, "on", False):
+    if _torch_direct():
         filled = cache.narrow(2, 0, int(length))
         filled.copy_(filled.index_select(0, parent))
         return cache
