@@ -28,11 +28,11 @@ def unfused(x):
     return x
 
 
-_DIRECT = threading.local()
+_DIRECT = threading.local()  # .plans: None outside direct_calls(), else {layer: callable}
 
 
 def _direct():
-    return getattr(_DIRECT, "on", False)
+    return getattr(_DIRECT, "plans", None) is not None
 
 
 def _torch_direct():
@@ -46,14 +46,16 @@ def direct_calls():
     """Within this scope, `call_layer` runs built layers' `call` directly (see there).
 
     Generation enters it around its search: the layers are built, inputs are tensors of the
-    compute dtype, and masks and `training` are passed explicitly.
+    compute dtype, masks and `training` are passed explicitly, and no layer is rebuilt,
+    quantized or given new variables until the scope ends (how each layer is called is
+    decided once per scope).
     """
-    previous = _direct()
-    _DIRECT.on = True
+    previous = getattr(_DIRECT, "plans", None)
+    _DIRECT.plans = {}
     try:
         yield
     finally:
-        _DIRECT.on = previous
+        _DIRECT.plans = previous
 
 
 def call_layer(layer, *args, **kwargs):
@@ -65,19 +67,27 @@ def call_layer(layer, *args, **kwargs):
     than its matmuls at batch 1. Decoding needs none of that bookkeeping, so inside
     `direct_calls()` a built layer's `call` (`quantized_call` when quantized) runs directly. A
     layer whose variables have another dtype than its computations (mixed precision) still
-    goes through `__call__`, which casts its variables. Under PyTorch a `Dense` or
-    `EinsumDense` layer runs as a torch matrix product (`_torch_linear`). Under JAX and
-    TensorFlow this only shortens tracing.
+    goes through `__call__`, which casts its variables. Under PyTorch a `Dense`,
+    `EinsumDense`, `LayerNormalization` or reversed `ReversibleEmbedding` layer runs as torch
+    calls alone (`_torch_plan`). Under JAX and TensorFlow this only shortens tracing.
     """
-    if _direct() and layer.built and layer.compute_dtype == layer.variable_dtype:
-        if layer.quantization_mode is not None:
-            return layer.quantized_call(*args, **kwargs)
-        if keras.backend.backend() == "torch" and len(args) == 1 and not kwargs:
-            output = _torch_linear(layer, args[0])
-            if output is not None:
-                return output
-        return layer.call(*args, **kwargs)
-    return layer(*args, **kwargs)
+    plans = getattr(_DIRECT, "plans", None)
+    if plans is None:
+        return layer(*args, **kwargs)
+    run = plans.get(layer)
+    if run is None:
+        run = plans[layer] = _plan(layer)
+    return run(*args, **kwargs)
+
+
+def _plan(layer):
+    """How `call_layer` calls `layer` inside `direct_calls()`."""
+    if not layer.built or layer.compute_dtype != layer.variable_dtype:
+        return layer
+    if layer.quantization_mode is not None:
+        return layer.quantized_call
+    run = _torch_plan(layer) if keras.backend.backend() == "torch" else None
+    return layer.call if run is None else run
 
 
 def dot_product_attention(query, key, value, mask, scale):
@@ -138,7 +148,54 @@ def update_cache(cache, index, update):
     return ops.slice_update(cache, (zero, zero, index, zero, zero), update)
 
 
-_LINEAR = weakref.WeakKeyDictionary()  # layer -> (kernel and bias versions, weight, bias)
+_PACKED = weakref.WeakKeyDictionary()  # layer -> (kernel tensor's version, packed kernel)
+
+
+@functools.lru_cache(maxsize=None)
+def _one_dnn():
+    """Whether torch's oneDNN linear kernels are there (`_linear_pointwise` is what
+    `torch.compile` calls for a linear layer on the CPU)."""
+    import torch
+
+    return (torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+
+
+def _packed_kernel(layer, kernel):
+    """`kernel` `(in, out)` packed for torch's oneDNN linear kernel, or None where that does not
+    apply (not float32, not on the CPU, autograd on, no oneDNN).
+
+    On the development machine's CPU (AMD EPYC, 2 cores, torch 2.13.0's MKL build) torch's
+    float32 matrix products (MKL; `torch.nn.Linear` and transformers use them) ran 2-3× slower
+    than oneDNN's against a packed weight: a decoder step's products (6 layers of opus-mt-base
+    and the 32,000-row tied logits projection, weights cold in cache) 9.2 → 4.5 ms at one
+    row, 15.1 → 5.3 ms at 16, 31.9 → 12.7 ms at 64. The packed copy (as much memory again) is
+    made once per layer and remade when the kernel changes (torch counts in-place updates).
+    """
+    import torch
+
+    if (kernel.dtype != torch.float32 or kernel.device.type != "cpu"
+            or torch.is_grad_enabled() or not _one_dnn()):
+        return None
+    version = (kernel.data_ptr(), kernel._version)  # the same tensor, not updated since
+    cached = _PACKED.get(layer)
+    if cached is None or cached[0] != version:
+        cached = _PACKED[layer] = (version,
+                                   torch.ops.mkldnn._reorder_linear_weight(kernel.detach().T))
+    return cached[1]
+
+
+def _torch_product(layer, inputs, kernel, bias=None):
+    """`inputs[..., in] @ kernel[in, out] + bias` in torch: oneDNN's kernel against the packed
+    kernel (`_packed_kernel`) for float32 inputs, else a matrix product."""
+    import torch
+
+    packed = _packed_kernel(layer, kernel) if inputs.dtype == torch.float32 else None
+    if packed is not None:
+        return torch.ops.mkldnn._linear_pointwise(inputs, packed, bias, "none", [], "")
+    output = torch.matmul(inputs, kernel)
+    return output if bias is None else output + bias
 
 
 def _linear_form(layer):
@@ -161,7 +218,7 @@ def _linear_form(layer):
 @functools.lru_cache(maxsize=None)
 def _contracted_axes(equation):
     """n for an einsum `...x,xk->...k` contracting the input's last n axes with the kernel's
-    first n (parsed once per equation: layers call this at every decoding step)."""
+    first n (parsed once per equation)."""
     inputs, rest = equation.split(",")
     kernel, output = rest.split("->")
     n = sum(letter in inputs for letter in kernel)
@@ -170,42 +227,90 @@ def _contracted_axes(equation):
     return None
 
 
-def _torch_linear(layer, inputs):
-    """A `Dense`/`EinsumDense` call in torch alone, or None where that does not apply.
+def _torch_plan(layer):
+    """A torch-only `call` for the layers a decoding step calls most, or None. Each skips
+    ~40 µs of Keras ops' Python (`convert_to_tensor`, dtype checks) at one token, against
+    ~15 µs for a product itself:
 
-    `ops.einsum` and `ops.add` cost ~40 µs of Python a call at one token, against ~15 µs for
-    the product itself. From 8 rows on, the product runs against a cached `(out, in)` copy of
-    the kernel (`torch.nn.Linear`'s layout, which transformers uses): on the CPU torch's
-    matrix products against it were 15-25% faster at 16 and 64 rows, and ~20% slower at one
-    row, than against Keras's `(in, out)` kernel. The copy (as much memory again as the kernel) is
-    remade when a weight changes (torch counts in-place updates).
+    * `Dense`/`EinsumDense` of the form `inputs[..., in] @ kernel[in, out...] + bias`: the
+      product by `_torch_product` (oneDNN's kernel where it applies);
+    * `ReversibleEmbedding(reverse=True)` (the logits projection) the same way;
+    * `LayerNormalization` over the last axis: one `torch.nn.functional.layer_norm`, the
+      kernel Keras's `ops.layer_normalization` calls, in float32 at least as Keras computes.
+    Variables are read as torch tensors once per `direct_calls()` scope (in-place updates are
+    seen); a layer off the CPU, where these were measured, keeps `call`.
     """
+    kind = type(layer)
+    if kind in (keras.layers.Dense, keras.layers.EinsumDense):
+        return _torch_linear_plan(layer)
+    if kind is keras.layers.ReversibleEmbedding:
+        return _torch_reverse_plan(layer)
+    if kind is keras.layers.LayerNormalization:
+        return _torch_layer_norm_plan(layer)
+    return None
+
+
+def _torch_linear_plan(layer):
     contracted = _linear_form(layer)
-    if contracted is None:
+    if contracted is None or layer.kernel.value.device.type != "cpu":
         return None
     kernel = layer.kernel.value
-    if kernel.device.type != "cpu":
+    width, tail = math.prod(kernel.shape[:contracted]), tuple(kernel.shape[contracted:])
+    matrix = kernel.reshape(width, -1)
+    bias = None if layer.bias is None else layer.bias.value.reshape(-1)
+    activation = layer.activation
+
+    def run(inputs, **kwargs):
+        if kwargs:
+            return layer.call(inputs, **kwargs)
+        lead = inputs.shape[:inputs.dim() - contracted]
+        output = _torch_product(layer, inputs.reshape(*lead, width), matrix, bias)
+        output = output.reshape(*lead, *tail)
+        return output if activation is None else activation(output)
+
+    return run
+
+
+def _torch_reverse_plan(layer):
+    if (layer.reverse_dtype is not None or layer.logit_soft_cap is not None
+            or layer.embeddings.value.device.type != "cpu"):
+        return None
+    kernel = layer.embeddings.value.T if layer.tie_weights else layer.reverse_embeddings.value
+
+    def run(inputs, reverse=False):
+        if not reverse:
+            return layer.call(inputs)
+        return _torch_product(layer, inputs, kernel)
+
+    return run
+
+
+def _torch_layer_norm_plan(layer):
+    axes = (layer.axis,) if isinstance(layer.axis, int) else tuple(layer.axis)
+    if layer.rms_scaling or len(axes) != 1:
         return None
     import torch
 
-    bias = None if layer.bias is None else layer.bias.value
-    lead = inputs.shape[:inputs.dim() - contracted]
-    inputs = inputs.reshape(*lead, -1)
-    if math.prod(lead) < 8:
-        output = torch.matmul(inputs, kernel.reshape(inputs.shape[-1], -1))
-        if bias is not None:
-            output = output + bias.reshape(-1)
-    else:
-        versions = (kernel.data_ptr(), kernel._version,  # the same tensor, not updated since
-                    None if bias is None else (bias.data_ptr(), bias._version))
-        cached = _LINEAR.get(layer)
-        if cached is None or cached[0] != versions:
-            weight = kernel.reshape(inputs.shape[-1], -1).T.contiguous()
-            cached = (versions, weight, None if bias is None else bias.reshape(-1))
-            _LINEAR[layer] = cached
-        output = torch.nn.functional.linear(inputs, cached[1], cached[2])
-    output = output.reshape(*lead, *kernel.shape[contracted:])
-    return output if layer.activation is None else layer.activation(output)
+    gamma = None if layer.gamma is None else layer.gamma.value
+    beta = None if layer.beta is None else layer.beta.value
+    epsilon, axis = layer.epsilon, axes[0]
+
+    def run(inputs):
+        if axis not in (-1, inputs.dim() - 1):
+            return layer.call(inputs)
+        dtype = torch.promote_types(inputs.dtype, torch.float32)
+        output = torch.nn.functional.layer_norm(
+            inputs.to(dtype), inputs.shape[-1:], None if gamma is None else gamma.to(dtype),
+            None if beta is None else beta.to(dtype), epsilon)
+        return output.to(inputs.dtype)
+
+    return run
+
+
+def attends_filled_only():
+    """Whether `filled_part` returns the filled positions alone (eager PyTorch in
+    `direct_calls()`); otherwise the whole cache, which the causal mask must cut."""
+    return _torch_direct()
 
 
 def filled_part(cache, length):
@@ -217,7 +322,7 @@ def filled_part(cache, length):
     backends need static shapes). (On a GPU, `int(length)` waits for the device once a layer
     and step.)
     """
-    if _torch_direct():
+    if attends_filled_only():
         cache = cache.narrow(2, 0, int(length))
     return cache[:, 0], cache[:, 1]
 

@@ -10,7 +10,8 @@ import keras
 from keras import ops
 
 from keras_tfm import masks as masks_lib
-from keras_tfm._backend import call_layer, dot_product_attention, filled_part, update_cache
+from keras_tfm._backend import (attends_filled_only, call_layer, dot_product_attention,
+                                filled_part, update_cache)
 from keras_tfm._checks import clone_initializer
 from keras_tfm._checks import check_dropout, check_key_value_heads, check_positive_int
 from keras_tfm._checks import check_rank, check_same_batch, with_quantized_dtypes
@@ -335,9 +336,13 @@ class MultiHeadSelfAttention(_MultiHeadAttentionBase):
         update = ops.cast(ops.stack([keys, values], axis=1), cache.dtype)
         cache = update_cache(cache, index, update)
         keys, values = filled_part(cache, index + ops.shape(inputs)[1])
-        # Bottom-right over the filled part: query i (at position index + i) sees keys 0 … index + i.
-        merged = masks_lib.merge_masks(inputs, keys, attention_mask=attention_mask, causal=True,
-                                       causal_offset=index)
+        if attention_mask is None and inputs.shape[1] == 1 and attends_filled_only():
+            merged = None  # one query, at the last filled position: it sees every key
+        else:
+            # Bottom-right over the filled part: query i (at position index + i) sees keys
+            # 0 … index + i.
+            merged = masks_lib.merge_masks(inputs, keys, attention_mask=attention_mask,
+                                           causal=True, causal_offset=index)
         result = self._attend(inputs, keys, values, merged, training, return_attention_scores,
                               start_index=index)
         if return_attention_scores:

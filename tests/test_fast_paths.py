@@ -2,7 +2,8 @@
 
 Generation runs its layers' `call` directly (`direct_calls`), and inside it PyTorch writes and
 reorders caches in place, attends to the filled part of the cache only and runs Dense /
-EinsumDense layers as torch matrix products; JAX takes its own argmax and, for one query
+EinsumDense / LayerNormalization layers and the logits projection as torch calls alone
+(oneDNN products against packed kernels); JAX takes its own argmax and, for one query
 position, an element-wise attention. Each test compares against the plain path (every layer
 through Keras's `__call__`, functional cache updates) or NumPy.
 """
@@ -53,7 +54,7 @@ def plain_path(monkeypatch, model):
 
 
 @pytest.mark.parametrize("tied", [True, False])
-@pytest.mark.parametrize("batch", [1, 9])  # 9 rows: torch's cached (out, in) kernels
+@pytest.mark.parametrize("batch", [1, 9])
 def test_seq2seq_search_equals_the_plain_path(monkeypatch, batch, tied):
     model = marian_like(tied)
     src = sources(batch)
@@ -84,7 +85,7 @@ def test_language_model_search_equals_the_plain_path(monkeypatch):
 
 
 def test_decoding_sees_weights_changed_in_place(monkeypatch):
-    """torch keeps (out, in) copies of the kernels from 8 rows on: a weight update remakes them."""
+    """torch keeps packed copies of the kernels (oneDNN's layout): a weight update remakes them."""
     model = marian_like(tied=False)
     src = sources(9)
     _, before = generate(model, src, max_length=4, end_id=None, return_scores=True)
@@ -113,6 +114,70 @@ def test_the_cache_is_updated_in_place_only_inside_generation():
                                                      cache_update_index=1)
     np.testing.assert_allclose(to_np(direct_out), to_np(out), atol=1e-6)
     np.testing.assert_allclose(to_np(direct_new), to_np(new), atol=1e-6)
+
+
+def _generation_grad_mode():
+    """No autograd, as generation runs under PyTorch (the oneDNN products need it off)."""
+    if BACKEND == "torch":
+        import torch
+
+        return torch.no_grad()
+    return contextlib.nullcontext()
+
+
+def _direct_layers():
+    """(layer, input width or shape, call kwargs, whether torch runs a packed product)."""
+    return [
+        (keras.layers.Dense(24, activation="swish"), (16,), {}, True),
+        (keras.layers.Dense(24, use_bias=False), (16,), {}, True),
+        (keras.layers.EinsumDense("btd,dhk->bthk", (None, 4, 6), bias_axes="hk"), (16,), {},
+         True),  # a query projection
+        (keras.layers.EinsumDense("bthk,hkd->btd", (None, 16), bias_axes="d"), (4, 6), {},
+         True),  # an attention output projection
+        (keras.layers.EinsumDense("btd,de->bte", (None, 8)), (16,), {}, True),
+        (keras.layers.LayerNormalization(epsilon=1e-5), (16,), {}, False),
+        (keras.layers.LayerNormalization(center=False, scale=False), (16,), {}, False),
+        (keras.layers.LayerNormalization(dtype="bfloat16"), (16,), {}, False),
+        (keras.layers.ReversibleEmbedding(30, 16), (16,), {"reverse": True}, True),
+        (keras.layers.ReversibleEmbedding(30, 16, tie_weights=False), (16,), {"reverse": True},
+         True),
+    ]
+
+
+@pytest.mark.parametrize("rows", [1, 9, 64])
+def test_direct_layer_calls_equal_keras_calls(rows):
+    """Inside `direct_calls()` without autograd (generation's setting) the layers a decoding
+    step calls most give their Keras `__call__` outputs. Under PyTorch they run as torch calls
+    alone: products by oneDNN against packed kernels, layer norm by `F.layer_norm`."""
+    rng = np.random.default_rng(rows)
+    for layer, shape, kwargs, packed in _direct_layers():
+        x = ops.convert_to_tensor(rng.normal(size=(rows, 1) + shape), layer.compute_dtype)
+        layer(x, **kwargs) if not kwargs else layer(ops.ones((rows, 1), "int32"))
+        for weight in layer.weights:
+            weight.assign(rng.normal(0.0, 0.5, weight.shape).astype("float32"))
+        expected = to_np(layer(x, **kwargs))
+        with _backend.direct_calls(), _generation_grad_mode():
+            got = to_np(_backend.call_layer(layer, x, **kwargs))
+        atol = 2e-2 if layer.compute_dtype == "bfloat16" else 1e-5
+        np.testing.assert_allclose(got.astype("float32"), expected.astype("float32"),
+                                   atol=atol, err_msg=layer.name)
+        if BACKEND == "torch":
+            assert (layer in _backend._PACKED) == packed, layer.name
+
+
+def test_products_with_autograd_on_stay_differentiable():
+    """With autograd on, no packed product runs (oneDNN's kernel has no gradient here): the
+    direct call is the plain product, gradients included."""
+    layer = keras.layers.Dense(8)
+    x = keras.random.normal((9, 1, 4), seed=2)
+    expected = to_np(layer(x))
+    with _backend.direct_calls():
+        got = _backend.call_layer(layer, x)
+    np.testing.assert_allclose(to_np(got), expected, atol=1e-5)
+    if BACKEND == "torch":
+        assert layer not in _backend._PACKED
+        got.sum().backward()
+        assert layer.kernel.value.grad is not None
 
 
 @pytest.mark.parametrize("batch, length", [(1, 1), (3, 1), (3, 4)])
@@ -153,4 +218,4 @@ def test_mixed_precision_layers_keep_keras_call(monkeypatch):
     np.testing.assert_array_equal(fast, plain)
     if BACKEND == "torch":  # the linear fast path never saw a mixed layer
         assert not any(layer.dtype_policy.name == "mixed_bfloat16"
-                       for layer in _backend._LINEAR)
+                       for layer in _backend._PACKED)
