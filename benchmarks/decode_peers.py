@@ -15,7 +15,9 @@ process, on the same sources (random ids ending with </s>). Cells: batch 1 and 1
 the number of new tokens: linear when 128 tokens take at most 4× the time of 32); and the two
 stream cells, run first in each process, wall time with compilation: `--stream` sources of
 random lengths 5-60, one call each, then the same sources in batches of 16 of mixed lengths
-(`--no-length-buckets`: keras_tfm-jax compiles once per source length). Greedy tokens of a
+(transformers and CTranslate2 one call per batch; keras_tfm one `generate(...,
+batch_size=16)` call, which pads every source to the longest of all; `--no-length-buckets`:
+keras_tfm-jax compiles once per source length). Greedy tokens of a
 mixed-length batch (natural end) are compared across engines. Results:
 results/decode_peers.json and .png.
 """
@@ -184,11 +186,11 @@ def make_engine(name, model_dir, ct2_dir, length_buckets="auto"):
         if name in KERAS_INT8:
             model.quantize("int8")
 
-        def translate(batch, beam, forced, new_tokens=NEW_TOKENS):
+        def translate(batch, beam, forced, new_tokens=NEW_TOKENS, batch_size=None):
             return keras_tfm.generate(model, pad_batch(batch, pad), max_length=new_tokens,
                                       method="beam" if beam > 1 else "greedy", beam_size=beam,
                                       end_id=None if forced else "auto",
-                                      length_buckets=length_buckets)
+                                      length_buckets=length_buckets, batch_size=batch_size)
     return translate, pad
 
 
@@ -270,8 +272,11 @@ def run_engine(name, model_dir, ct2_dir, stream=30, repeats=3, batch64=False,
     # the same sources in batches of 16 of mixed lengths (new shapes again).
     for cell, size in ((STREAM, 1), (STREAM16, 16)):
         start = time.perf_counter()
-        new_tokens = sum(count(translate(stream_sources[i:i + size], 1, True), pad)
-                         for i in range(0, len(stream_sources), size))
+        if size > 1 and name not in PEERS:  # keras_tfm chunks a list itself (`batch_size`)
+            new_tokens = count(translate(stream_sources, 1, True, batch_size=size), pad)
+        else:
+            new_tokens = sum(count(translate(stream_sources[i:i + size], 1, True), pad)
+                             for i in range(0, len(stream_sources), size))
         seconds = time.perf_counter() - start
         result["cells"][cell] = {"seconds": [seconds], "new_tokens": new_tokens,
                                  "tokens_per_s": new_tokens / seconds}

@@ -186,6 +186,32 @@ def test_chunks_with_progress_equal_one_batch():
     np.testing.assert_array_equal(chunked[:, :whole.shape[1]], whole)
 
 
+def test_a_short_last_chunk_compiles_nothing_new(monkeypatch):
+    """Under JAX the last chunk is filled up to `batch_size` rows (copies of its first row,
+    dropped), so it reuses the compiled search; tokens and scores are those of one batch."""
+    model = small_model()
+    src = sources(4, batch=7)
+    whole, whole_scores = generate(model, src, SOS, EOS, 6, method="beam", beam_size=2,
+                                   return_scores=True)
+    generation._COMPILED.pop(model, None)
+    traces = []
+    original = generation._beam_search
+    monkeypatch.setattr(generation, "_beam_search",
+                        lambda parts, source, *args: traces.append(source.shape[0])
+                        or original(parts, source, *args))
+    chunked, scores = generate(model, src, SOS, EOS, 6, method="beam", beam_size=2,
+                               return_scores=True, batch_size=3)  # 3 + 3 + 1 rows
+    assert chunked.shape[0] == scores.shape[0] == 7
+    np.testing.assert_array_equal(chunked[:, :whole.shape[1]], whole)
+    np.testing.assert_allclose(scores, whole_scores, atol=1e-5)
+    if BACKEND == "jax":
+        assert traces == [3]
+    elif BACKEND == "tensorflow":  # one graph of unknown dimensions
+        assert traces == [None]
+    else:  # torch runs eagerly: nothing to reuse, no padding
+        assert traces == [3, 3, 1]
+
+
 class FixedDistribution:
     """A stand-in language model for the search alone: every step gives the same
     next-token distribution over PAD, SOS, EOS, A, B (the search code only calls these)."""
