@@ -163,7 +163,7 @@ def update_cache(cache, index, update):
     return ops.slice_update(cache, (zero, zero, index, zero, zero), update)
 
 
-_PACKED = weakref.WeakKeyDictionary()  # layer -> (kernel tensor's version, packed kernel)
+_PACKED = weakref.WeakKeyDictionary()  # layer -> (source tensor, its version, packed kernel)
 
 
 @functools.lru_cache(maxsize=None)
@@ -177,7 +177,7 @@ def _one_dnn():
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
 
 
-def _packed_kernel(layer, kernel):
+def _packed_kernel(layer, kernel, source):
     """`kernel` `(in, out)` packed for torch's oneDNN linear kernel, or None where that does not
     apply (not float32, not on the CPU, autograd on, no oneDNN).
 
@@ -186,27 +186,30 @@ def _packed_kernel(layer, kernel):
     than oneDNN's against a packed weight: a decoder step's products (6 layers of opus-mt-base
     and the 32,000-row tied logits projection, weights cold in cache) 9.2 → 4.5 ms at one
     row, 15.1 → 5.3 ms at 16, 31.9 → 12.7 ms at 64. The packed copy (as much memory again) is
-    made once per layer and remade when the kernel changes (torch counts in-place updates).
+    made once per layer and remade when `source` (the variable's tensor `kernel` is a view of)
+    is another tensor or was updated in place (torch's version counter: `Variable.assign` and
+    optimizers count; an edit through `tensor.data` does not).
     """
     import torch
 
     if (kernel.dtype != torch.float32 or kernel.device.type != "cpu"
             or torch.is_grad_enabled() or not _one_dnn()):
         return None
-    version = (kernel.data_ptr(), kernel._version)  # the same tensor, not updated since
-    cached = _PACKED.get(layer)
-    if cached is None or cached[0] != version:
-        cached = _PACKED[layer] = (version,
+    cached = _PACKED.get(layer)  # (source, its version then, packed)
+    if cached is None or cached[0] is not source or cached[1] != source._version:
+        cached = _PACKED[layer] = (source, source._version,
                                    torch.ops.mkldnn._reorder_linear_weight(kernel.detach().T))
-    return cached[1]
+    return cached[2]
 
 
-def _torch_product(layer, inputs, kernel, bias=None):
+def _torch_product(layer, inputs, kernel, bias=None, source=None):
     """`inputs[..., in] @ kernel[in, out] + bias` in torch: oneDNN's kernel against the packed
-    kernel (`_packed_kernel`) for float32 inputs, else a matrix product."""
+    kernel (`_packed_kernel`; `source`: the tensor `kernel` views, itself by default) for
+    float32 inputs, else a matrix product."""
     import torch
 
-    packed = _packed_kernel(layer, kernel) if inputs.dtype == torch.float32 else None
+    source = kernel if source is None else source
+    packed = _packed_kernel(layer, kernel, source) if inputs.dtype == torch.float32 else None
     if packed is not None:
         return torch.ops.mkldnn._linear_pointwise(inputs, packed, bias, "none", [], "")
     output = torch.matmul(inputs, kernel)
@@ -253,7 +256,7 @@ def _torch_plan(layer):
     * `LayerNormalization` over the last axis: one `torch.nn.functional.layer_norm`, the
       kernel Keras's `ops.layer_normalization` calls, in float32 at least as Keras computes.
     Variables are read as torch tensors once per `direct_calls()` scope (in-place updates are
-    seen); a layer off the CPU, where these were measured, keeps `call`.
+    seen); the products of a layer off the CPU, where they were measured, keep `call`.
     """
     kind = type(layer)
     if kind in (keras.layers.Dense, keras.layers.EinsumDense):
@@ -279,7 +282,7 @@ def _torch_linear_plan(layer):
         if kwargs:
             return layer.call(inputs, **kwargs)
         lead = inputs.shape[:inputs.dim() - contracted]
-        output = _torch_product(layer, inputs.reshape(*lead, width), matrix, bias)
+        output = _torch_product(layer, inputs.reshape(*lead, width), matrix, bias, kernel)
         output = output.reshape(*lead, *tail)
         return output if activation is None else activation(output)
 
@@ -287,15 +290,16 @@ def _torch_linear_plan(layer):
 
 
 def _torch_reverse_plan(layer):
-    if (layer.reverse_dtype is not None or layer.logit_soft_cap is not None
-            or layer.embeddings.value.device.type != "cpu"):
+    if (getattr(layer, "lora_enabled", False) or layer.reverse_dtype is not None
+            or layer.logit_soft_cap is not None or layer.embeddings.value.device.type != "cpu"):
         return None
-    kernel = layer.embeddings.value.T if layer.tie_weights else layer.reverse_embeddings.value
+    source = layer.embeddings.value if layer.tie_weights else layer.reverse_embeddings.value
+    kernel = source.T if layer.tie_weights else source
 
     def run(inputs, reverse=False):
         if not reverse:
             return layer.call(inputs)
-        return _torch_product(layer, inputs, kernel)
+        return _torch_product(layer, inputs, kernel, source=source)
 
     return run
 

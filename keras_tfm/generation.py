@@ -576,7 +576,7 @@ def _run_in_chunks(model, key, search, inputs, batch_size, verbose, pad_id, retu
     for n, start in enumerate(starts):
         part = [x[start:start + chunk] for x in inputs]
         rows = len(part[0])
-        if rows < chunk and keras.backend.backend() == "jax":
+        if rows < chunk and n > 0 and keras.backend.backend() == "jax":
             # A shorter last chunk would compile the search again (~1-1.5 s for opus-mt-base,
             # against ~0.5 s to decode 16 rows): filled up with copies of its first row, whose
             # results are dropped (rows never interact).
