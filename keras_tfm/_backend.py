@@ -270,9 +270,9 @@ def _torch_plan(layer):
 
 def _torch_linear_plan(layer):
     contracted = _linear_form(layer)
-    if contracted is None or layer.kernel.value.device.type != "cpu":
+    kernel = None if contracted is None else layer.kernel.value
+    if kernel is None or kernel.device.type != "cpu":
         return None
-    kernel = layer.kernel.value
     width, tail = math.prod(kernel.shape[:contracted]), tuple(kernel.shape[contracted:])
     matrix = kernel.reshape(width, -1)
     bias = None if layer.bias is None else layer.bias.value.reshape(-1)
