@@ -90,77 +90,55 @@ def _plan(layer):
     return layer.call if run is None else run
 
 
-def dot_product_attention(query, key, value, mask, scale):
-    """`keras.ops.dot_product_attention` of `(B, T, H, d)` tensors with a boolean mask
-    broadcasting to `(B, H, T, S)`.
+def dot_product_attention(query, key, value, mask, scale, heads_first=False):
+    """`keras.ops.dot_product_attention` of queries `(B, T, H, d)` and keys and values
+    `(B, S, H, d)` (`(B, H, S, d)` with `heads_first`, under PyTorch only: see
+    `fuses_heads_first`), with a boolean mask broadcasting to `(B, H, T, S)`.
 
-    Two backends take another route to the same numbers:
-
-    * PyTorch: torch's `scaled_dot_product_attention` on transposed views. Keras's torch
-      version copies the keys and values into new contiguous tensors first, which in cached
-      decoding is the whole cache at every step (2× the attention's time at 64 rows × 32
-      positions); torch's kernel takes the strided views as they are.
-    * One query position (a decoding step) under JAX on the CPU with more than one row, and
-      under TensorFlow on the CPU: products and sums instead of batched matrix products, for
-      which both first transpose the keys and values to `(B, H, S, d)` (the whole cache, at
-      every step). JAX: a quarter of a beam search's time went to those copies; measured at
-      32 positions, 8 heads: 0.67 → 0.30 ms at 64 rows, 0.17 → 0.11 at 16, 0.11 → 0.06 at
-      4; at one row XLA needs no copy and the matrix products stay faster (0.025 against
-      0.13 ms). TensorFlow (one graph for every batch size): opus-mt-base greedy at 16 rows
-      520 → 631 tok/s, beam 4 270 → 315, one row unchanged (87–91 → 91–95).
+    PyTorch takes another route to the same numbers: torch's `scaled_dot_product_attention`
+    on `(B, H, ·, d)` views. Keras's torch version copies the keys and values into new
+    contiguous tensors first, which in cached decoding is the whole cache at every step (2×
+    the attention's time at 64 rows × 32 positions); torch's kernel takes strided views as
+    they are.
     """
     if keras.backend.backend() == "torch":
         import torch
 
         query, key, value = (ops.convert_to_tensor(x) for x in (query, key, value))
         mask = None if mask is None else ops.convert_to_tensor(mask, "bool")
+        if not heads_first:
+            key, value = key.transpose(1, 2), value.transpose(1, 2)
         output = torch.nn.functional.scaled_dot_product_attention(
-            query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), attn_mask=mask,
-            scale=scale)
+            query.transpose(1, 2), key, value, attn_mask=mask, scale=scale)
         return output.transpose(1, 2)
-    if query.shape[1] == 1 and _attends_by_products(query.shape[0]):
-        from keras_tfm.masks import apply_to_scores
-
-        # In float32 throughout, as the fused path accumulates (half-precision sums would
-        # differ from it).
-        query, key = ops.cast(query, "float32"), ops.cast(key, "float32")
-        scores = ops.sum(query * key, axis=-1) * scale  # (B, S, H)
-        if mask is not None:  # (B|1, 1, 1, S|1) -> (B|1, S|1, 1)
-            scores = apply_to_scores(scores, ops.transpose(mask[:, 0], (0, 2, 1)))
-        weights = ops.softmax(scores, axis=1)[..., None]
-        output = ops.sum(weights * ops.cast(value, "float32"), axis=1, keepdims=True)
-        return ops.cast(output, value.dtype)
     return ops.dot_product_attention(query, key, value, mask=mask, scale=scale)
 
 
-def _attends_by_products(rows):
-    """Whether one query position of `rows` rows (a decoding step) is attended as products and
-    sums (see `dot_product_attention`): JAX on the CPU above one row; TensorFlow without a GPU
-    (its graph does not know the rows)."""
-    backend = keras.backend.backend()
-    if backend == "jax":
-        import jax
-
-        return rows != 1 and jax.default_backend() == "cpu"
-    if backend == "tensorflow":
-        import tensorflow as tf
-
-        return not tf.config.list_logical_devices("GPU")
-    return False
+def fuses_heads_first():
+    """Whether `dot_product_attention` takes keys and values heads first, `(B, H, S, d)` (the
+    key/value caches' layout): under PyTorch, whose kernel reads that layout. Keras's fused
+    attention under JAX and TensorFlow takes `(B, S, H, d)` and transposes the keys and
+    values first — in cached decoding the whole cache, at every step — so there the cached
+    layers attend by the explicit path's two products, which read `(B, H, S, d)` as it lies
+    (a batched product over `(B, H)`). Measured with XLA on the CPU, 6 layers of 8 heads ×
+    64, a step's attention alone: at one row 76 → 27 µs over 33 cached positions, 618 →
+    94 µs over 129; at 16 rows 0.97 → 0.51 ms and 10.5 → 2.2 ms.
+    """
+    return keras.backend.backend() == "torch"
 
 
 def update_cache(cache, index, update):
-    """`cache` with `update` written at `index` along axis 2 (the position axis).
+    """`cache` with `update` written at `index` along axis 3 (the position axis).
 
     `ops.slice_update`, except under PyTorch inside `direct_calls()` (generation, which owns
     its caches and never reads an old one again): there the cache is written in place, as
     Keras's torch `slice_update` clones the whole cache at every decoding step.
     """
     if _torch_direct():
-        cache.narrow(2, index, update.shape[2]).copy_(update)
+        cache.narrow(3, index, update.shape[3]).copy_(update)
         return cache
     zero = ops.zeros((), "int32")
-    return ops.slice_update(cache, (zero, zero, index, zero, zero), update)
+    return ops.slice_update(cache, (zero, zero, zero, index, zero), update)
 
 
 _PACKED = weakref.WeakKeyDictionary()  # layer -> (source tensor, its version, packed kernel)
@@ -333,7 +311,7 @@ def attends_filled_only():
 
 
 def filled_part(cache, length):
-    """The keys and values `(B, L', H, d)` of a cache `(B, 2, L, H, d)` that attention reads.
+    """The keys and values `(B, H, L', d)` of a cache `(B, 2, H, L, d)` that attention reads.
 
     Under PyTorch inside `direct_calls()` (generation, which passes no `attention_mask`),
     views of the first `length` (filled) positions, as transformers' growing cache attends to;
@@ -342,7 +320,7 @@ def filled_part(cache, length):
     and step.)
     """
     if attends_filled_only():
-        cache = cache.narrow(2, 0, int(length))
+        cache = cache.narrow(3, 0, int(length))
     return cache[:, 0], cache[:, 1]
 
 
@@ -353,7 +331,7 @@ def reorder_beams(cache, parent, length):
     gathered, in place: a beam step otherwise copies every layer's whole cache.
     """
     if _torch_direct():
-        filled = cache.narrow(2, 0, int(length))
+        filled = cache.narrow(3, 0, int(length))
         filled.copy_(filled.index_select(0, parent))
         return cache
     return ops.take(cache, parent, axis=0)

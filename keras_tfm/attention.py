@@ -11,7 +11,7 @@ from keras import ops
 
 from keras_tfm import masks as masks_lib
 from keras_tfm._backend import (attends_filled_only, call_layer, dot_product_attention,
-                                filled_part, update_cache)
+                                filled_part, fuses_heads_first, update_cache)
 from keras_tfm._checks import clone_initializer
 from keras_tfm._checks import check_dropout, check_key_value_heads, check_positive_int
 from keras_tfm._checks import check_rank, check_same_batch, with_quantized_dtypes
@@ -30,30 +30,34 @@ def scaled_dot_product_attention(
     training=None,
     return_weights=False,
     fused=None,
+    heads_first=False,
 ):
     """`softmax(Q Kᵀ / √d_k) V` for every head, with masking and attention dropout.
 
     Two paths give the same numbers: the fused path (`keras.ops.dot_product_attention`, used
-    when no weights are requested, no attention dropout is active and `d_v == d_k`) and the
-    explicit path
+    when no weights are requested, no attention dropout is active, `d_v == d_k` and, for keys
+    heads first, under PyTorch) and the explicit path
     (scores, float32 softmax, dropout, weighted sum). A query row whose mask allows no key gives
     zeros (and zero weights) on both paths, never NaN nor a uniform average.
 
     Args:
         query: `(B, T, H, d_k)`.
-        key: `(B, S, H, d_k)`.
-        value: `(B, S, H, d_v)`.
+        key: `(B, S, H, d_k)`, or `(B, H, S, d_k)` with `heads_first`.
+        value: `(B, S, H, d_v)`, or `(B, H, S, d_v)` with `heads_first`.
         mask: optional bool (or 0/1) `(B, T, S)` or `(T, S)`, or broadcasting to `(B, T, S)`;
             True where attention is allowed. Shape and values are checked (see `masks`).
         dropout: optional callable `dropout(weights, training=...)` applied to the weights.
         training: Python bool, whether dropout is active.
         return_weights: also return the attention weights `(B, H, T, S)`.
         fused: None picks the fused path when possible; False forces the explicit path.
+        heads_first: the keys and values come heads first, `(B, H, S, d)`: the layout of the
+            key/value caches, which a decoding step's products read without transposing them.
 
     Returns:
         The attention output `(B, T, H, d_v)`, and the weights when `return_weights`.
     """
-    mask = masks_lib.check_attention_mask(mask, query, key)
+    if mask is not None:  # (its checks read the key length from axis 1 of `(B, S, ...)`)
+        mask = masks_lib.check_attention_mask(mask, query, key[:, 0] if heads_first else key)
     scale = 1.0 / math.sqrt(query.shape[-1])
     row_has_key = None
     if mask is not None:
@@ -65,14 +69,16 @@ def scaled_dot_product_attention(
     dropout_active = dropout is not None and bool(training) and getattr(dropout, "rate", 1.0) > 0
     # keras.ops.dot_product_attention needs values as wide as the keys (d_v == d_k).
     use_fused = (fused is not False and not return_weights and not dropout_active
-                 and value.shape[-1] == query.shape[-1])
+                 and value.shape[-1] == query.shape[-1]
+                 and (not heads_first or fuses_heads_first()))
     weights = None
     if use_fused:
-        output = dot_product_attention(query, key, value, mask, scale)
+        output = dot_product_attention(query, key, value, mask, scale, heads_first)
         if row_has_key is not None:  # (the explicit path zeroes these rows' weights instead)
             output = ops.where(row_has_key[:, :, None, None], output, ops.zeros_like(output))
     else:
-        scores = ops.einsum("bthd,bshd->bhts", query, key)
+        keys = "bhsd" if heads_first else "bshd"
+        scores = ops.einsum(f"bthd,{keys}->bhts", query, key)
         scores = ops.cast(scores, "float32") * scale
         if mask is not None:
             scores = masks_lib.apply_to_scores(scores, mask)
@@ -81,10 +87,15 @@ def scaled_dot_product_attention(
             weights = ops.where(row_has_key[:, None, :, None], weights, 0.0)
         weights = ops.cast(weights, value.dtype)
         attended = dropout(weights, training=training) if dropout_active else weights
-        output = ops.einsum("bhts,bshd->bthd", attended, value)
+        output = ops.einsum(f"bhts,{keys}->bthd", attended, value)
     if return_weights:
         return output, weights
     return output
+
+
+def _heads_first(keys_and_values):
+    """`(B, 2, S, H, d)` stacked keys and values as a cache holds them: `(B, 2, H, S, d)`."""
+    return ops.transpose(keys_and_values, (0, 1, 3, 2, 4))
 
 
 class _MultiHeadAttentionBase(keras.layers.Layer):
@@ -189,25 +200,26 @@ class _MultiHeadAttentionBase(keras.layers.Layer):
             )
 
     def _attend(self, query, keys, values, mask, training, return_attention_scores,
-                start_index=0):
+                start_index=0, heads_first=False):
         groups = self.num_heads // self._kv_heads
         if groups > 1:  # grouped-query attention: each key/value head serves `groups` heads
-            keys, values = ops.repeat(keys, groups, axis=2), ops.repeat(values, groups, axis=2)
+            axis = 1 if heads_first else 2
+            keys, values = ops.repeat(keys, groups, axis), ops.repeat(values, groups, axis)
         queries = self._rotate(call_layer(self.query_dense, query), start_index)
         result = scaled_dot_product_attention(
             queries, keys, values, mask=mask, dropout=self.dropout_layer, training=training,
-            return_weights=return_attention_scores,
+            return_weights=return_attention_scores, heads_first=heads_first,
         )
         if return_attention_scores:
             attended, scores = result
             return call_layer(self.output_dense, attended), scores
         return call_layer(self.output_dense, result)
 
-    def _output_spec(self, query, context, return_attention_scores):
+    def _output_spec(self, query, context_length, return_attention_scores):
         out = keras.KerasTensor(query.shape[:-1] + (self._d_model,), dtype=self.compute_dtype)
         if not return_attention_scores:
             return out
-        scores_shape = (query.shape[0], self.num_heads, query.shape[1], context.shape[1])
+        scores_shape = (query.shape[0], self.num_heads, query.shape[1], context_length)
         return out, keras.KerasTensor(scores_shape, dtype=self.compute_dtype)
 
     def compute_output_shape(self, input_shape, *args, **kwargs):
@@ -266,9 +278,10 @@ class MultiHeadSelfAttention(_MultiHeadAttentionBase):
         training: whether attention dropout is active.
         return_attention_scores: also return the attention weights `(B, H, T, T)`.
         cache: optional key/value cache for autoregressive decoding (causal layers only), a
-            preallocated tensor `(B, 2, L, num_key_value_heads, key_dim)` (keys at `[:, 0]`,
-            values at `[:, 1]`; needs `value_dim == key_dim`). The keys and values of `inputs` are written
-            at positions `cache_update_index … cache_update_index + T - 1`, and the queries
+            preallocated tensor `(B, 2, num_key_value_heads, L, key_dim)`, heads first (keys
+            at `[:, 0]`, values at `[:, 1]`; needs `value_dim == key_dim`). The keys and values
+            of `inputs` are written at positions `cache_update_index … cache_update_index +
+            T - 1` (axis 3), and the queries
             attend over the cache, query i seeing keys `0 … cache_update_index + i`. With
             rotary positions the cache holds rotated keys.
         cache_update_index: int or scalar int tensor, the position of `inputs[:, 0]`.
@@ -332,19 +345,18 @@ class MultiHeadSelfAttention(_MultiHeadAttentionBase):
             raise ValueError(f"{self.name}: `cache_update_index` is required with `cache`.")
         self._check_cacheable()
         index = ops.cast(cache_update_index, "int32")
-        keys, values = self._project_context(inputs, start_index=index)
-        update = ops.cast(ops.stack([keys, values], axis=1), cache.dtype)
-        cache = update_cache(cache, index, update)
-        keys, values = filled_part(cache, index + ops.shape(inputs)[1])
+        update = _heads_first(ops.stack(self._project_context(inputs, start_index=index), 1))
+        cache = update_cache(cache, index, ops.cast(update, cache.dtype))
+        keys, values = filled_part(cache, index + ops.shape(inputs)[1])  # (B, H, L', d)
         if attention_mask is None and inputs.shape[1] == 1 and attends_filled_only():
             merged = None  # one query, at the last filled position: it sees every key
         else:
             # Bottom-right over the filled part: query i (at position index + i) sees keys
-            # 0 … index + i.
-            merged = masks_lib.merge_masks(inputs, keys, attention_mask=attention_mask,
+            # 0 … index + i. (`keys[:, 0]`: a `(B, L', d)` tensor for the key length.)
+            merged = masks_lib.merge_masks(inputs, keys[:, 0], attention_mask=attention_mask,
                                            causal=True, causal_offset=index)
         result = self._attend(inputs, keys, values, merged, training, return_attention_scores,
-                              start_index=index)
+                              start_index=index, heads_first=True)
         if return_attention_scores:
             return result[0], result[1], cache
         return result, cache
@@ -353,8 +365,8 @@ class MultiHeadSelfAttention(_MultiHeadAttentionBase):
                             return_attention_scores=False, cache=None, cache_update_index=None,
                             mask=None):
         if cache is None:
-            return self._output_spec(inputs, inputs, return_attention_scores)
-        spec = self._output_spec(inputs, cache[:, 0], return_attention_scores)
+            return self._output_spec(inputs, inputs.shape[1], return_attention_scores)
+        spec = self._output_spec(inputs, cache.shape[3], return_attention_scores)
         cache_spec = keras.KerasTensor(cache.shape, dtype=cache.dtype)
         return (*spec, cache_spec) if return_attention_scores else (spec, cache_spec)
 
@@ -412,31 +424,35 @@ class CrossAttention(_MultiHeadAttentionBase):
         self._build_projections(query_shape, context_shape)
 
     def compute_context_cache(self, context):
-        """Keys and values of `context`, computed once: `(B, 2, S, num_key_value_heads, key_dim)`.
+        """Keys and values of `context`, computed once: `(B, 2, num_key_value_heads, S,
+        key_dim)`, heads first as the self-attention's cache.
 
         Pass the result as `context_cache` at every decoding step instead of `context`."""
         check_rank(self, "context", context.shape, 3)
         self._check_cacheable()
-        return ops.stack(self._project_context(context), axis=1)
+        return _heads_first(ops.stack(self._project_context(context), axis=1))
 
     def call(self, query, context=None, attention_mask=None, training=None,
              return_attention_scores=False, context_cache=None, query_mask=None,
              context_mask=None):
         check_rank(self, "query", query.shape, 3)
-        if context_cache is not None:
-            keys, values = context_cache[:, 0], context_cache[:, 1]
+        heads_first = context_cache is not None
+        if heads_first:
+            keys, values = context_cache[:, 0], context_cache[:, 1]  # (B, H, S, d)
         elif context is None:
             raise ValueError(f"{self.name}: pass `context` or `context_cache`.")
         else:
             check_rank(self, "context", context.shape, 3)
             check_same_batch(self, "query", query.shape, "context", context.shape)
             keys, values = self._project_context(context)
-        merged = masks_lib.merge_masks(query, keys, key_padding_mask=context_mask,
+        merged = masks_lib.merge_masks(query, keys[:, 0] if heads_first else keys,
+                                       key_padding_mask=context_mask,
                                        attention_mask=attention_mask)
-        return self._attend(query, keys, values, merged, training, return_attention_scores)
+        return self._attend(query, keys, values, merged, training, return_attention_scores,
+                            heads_first=heads_first)
 
     def compute_output_spec(self, query, context=None, attention_mask=None, training=None,
                             return_attention_scores=False, context_cache=None, query_mask=None,
                             context_mask=None):
-        context = context if context is not None else context_cache[:, 0]
-        return self._output_spec(query, context, return_attention_scores)
+        length = context.shape[1] if context is not None else context_cache.shape[3]
+        return self._output_spec(query, length, return_attention_scores)

@@ -245,7 +245,7 @@ class TransformerDecoderBlock(_TransformerBlockBase):
         return_attention_scores: also return the self- and cross-attention weights,
             `(B, H, T, T)` and `(B, H, T, S)`.
         self_attention_cache: key/value cache of the self-attention for cached decoding,
-            `(B, 2, L, num_key_value_heads, key_dim)`; see `MultiHeadSelfAttention`.
+            `(B, 2, num_key_value_heads, L, key_dim)`; see `MultiHeadSelfAttention`.
         self_attention_cache_update_index: position of `inputs[:, 0]` in the cache.
         cross_attention_cache: `block.cross_attention.compute_context_cache(encoder_outputs)`,
             computed once per source batch and used instead of `encoder_outputs` (then pass
@@ -360,7 +360,7 @@ class TransformerDecoderBlock(_TransformerBlockBase):
             if encoder_outputs is None and cross_attention_cache is None:
                 return output, self_scores
             source_length = (encoder_outputs.shape[1] if encoder_outputs is not None
-                             else cross_attention_cache.shape[2])
+                             else cross_attention_cache.shape[3])
             return (output, self_scores,
                     keras.KerasTensor((batch, self.num_heads, length, source_length),
                                       dtype=self.compute_dtype))

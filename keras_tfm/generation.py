@@ -118,7 +118,7 @@ class Seq2SeqParts:
         caches = []
         for block in self.decoder_blocks:
             attention = block.self_attention
-            caches.append(ops.zeros((batch_size, 2, max_length, attention._kv_heads,
+            caches.append(ops.zeros((batch_size, 2, attention._kv_heads, max_length,
                                      attention._key_dim), dtype=block.compute_dtype))
         return caches
 
@@ -632,7 +632,7 @@ class LanguageModelParts:
         return self.token_embedding.input_dim
 
     def empty_caches(self, batch_size, max_length):
-        return [ops.zeros((batch_size, 2, max_length, block.self_attention._kv_heads,
+        return [ops.zeros((batch_size, 2, block.self_attention._kv_heads, max_length,
                            block.self_attention._key_dim), dtype=block.compute_dtype)
                 for block in self.blocks]
 

@@ -105,7 +105,7 @@ def test_llama_style_block_cache_equals_full_pass():
     x = random((2, 5, 16))
     block = _llama_block()
     full = to_np(block(x))
-    cache = np.zeros((2, 2, 5, 2, 4), "float32")
+    cache = np.zeros((2, 2, 2, 5, 4), "float32")  # (B, 2, kv heads, L, d)
     out, cache = block(x[:, :3], self_attention_cache=cache, self_attention_cache_update_index=0)
     outs = [to_np(out)]
     for i in (3, 4):

@@ -106,12 +106,12 @@ def test_the_cache_is_updated_in_place_only_inside_generation():
     layer = MultiHeadSelfAttention(num_heads=2, causal=True)
     x = keras.random.normal((2, 1, 8), seed=1)
     layer(x)
-    cache = ops.zeros((2, 2, 4, 2, 4))
+    cache = ops.zeros((2, 2, 2, 4, 4))
     out, new = layer(x, cache=cache, cache_update_index=1)
     assert float(ops.max(ops.abs(cache))) == 0.0  # the caller's cache is left as it was
-    assert float(ops.max(ops.abs(new[:, :, 1]))) > 0.0
+    assert float(ops.max(ops.abs(new[:, :, :, 1]))) > 0.0
     with _backend.direct_calls():
-        direct_out, direct_new = _backend.call_layer(layer, x, cache=ops.zeros((2, 2, 4, 2, 4)),
+        direct_out, direct_new = _backend.call_layer(layer, x, cache=ops.zeros((2, 2, 2, 4, 4)),
                                                      cache_update_index=1)
     np.testing.assert_allclose(to_np(direct_out), to_np(out), atol=1e-6)
     np.testing.assert_allclose(to_np(direct_new), to_np(new), atol=1e-6)

@@ -119,18 +119,18 @@ def test_rotary_gqa_cache_equals_full_pass_at_the_right_offset():
     x = random((2, 7, 16))
     layer = MultiHeadSelfAttention(num_heads=4, num_key_value_heads=2, causal=True, rotary=True)
     full = to_np(layer(x))
-    cache = np.zeros((2, 2, 7, 2, 4), "float32")
+    cache = np.zeros((2, 2, 2, 7, 4), "float32")  # (B, 2, kv heads, L, d)
     # prefill 4 tokens in one call, then one token a step
     out, cache = layer(x[:, :4], cache=cache, cache_update_index=0)
     outs = [to_np(out)]
     for i in range(4, 7):
         out, cache = layer(x[:, i:i + 1], cache=cache, cache_update_index=i)
         outs.append(to_np(out))
-    assert tuple(cache.shape) == (2, 2, 7, 2, 4)
+    assert tuple(cache.shape) == (2, 2, 2, 7, 4)
     np.testing.assert_allclose(np.concatenate(outs, 1), full, atol=1e-5)
     # the cache holds the rotated keys
     keys = np_rotary(np_dense(x, layer.key_dense))
-    np.testing.assert_allclose(to_np(cache)[:, 0], keys, atol=1e-5)
+    np.testing.assert_allclose(to_np(cache)[:, 0], keys.transpose(0, 2, 1, 3), atol=1e-5)
 
 
 # --- grouped-query attention --------------------------------------------------------------------
@@ -163,7 +163,7 @@ def test_gqa_cache_shapes_and_context_cache():
     x = random((2, 3, 16))
     cross = CrossAttention(num_heads=4, num_key_value_heads=2)
     cross(x, x)
-    assert tuple(cross.compute_context_cache(x).shape) == (2, 2, 3, 2, 4)
+    assert tuple(cross.compute_context_cache(x).shape) == (2, 2, 2, 3, 4)
     np.testing.assert_allclose(to_np(cross(x, context_cache=cross.compute_context_cache(x))),
                                to_np(cross(x, x)), atol=1e-6)
 
