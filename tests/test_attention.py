@@ -44,6 +44,25 @@ def test_fused_and_explicit_paths_agree_with_masks():
     np.testing.assert_array_equal(explicit[2], 0.0)
 
 
+@pytest.mark.parametrize("queries", [1, 4])
+def test_keys_heads_first_give_the_same_attention(queries):
+    # The caches' layout (B, H, S, d): same outputs and weights as (B, S, H, d), on both paths,
+    # with a padding mask that leaves the last row no key.
+    q, k, v = random((3, queries, 2, 8), 10), random((3, 6, 2, 8), 11), random((3, 6, 2, 8), 12)
+    mask = np.broadcast_to(padding([6, 3, 0], 6)[:, None, :], (3, queries, 6))
+    k_first, v_first = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+    for m in (None, mask):
+        expected, weights = np_attention(q, k, v, m)
+        for fused in (None, False):
+            out = scaled_dot_product_attention(q, k_first, v_first, mask=m, fused=fused,
+                                               heads_first=True)
+            np.testing.assert_allclose(to_np(out), expected, atol=1e-5)
+    out, w = scaled_dot_product_attention(q, k_first, v_first, mask=mask, return_weights=True,
+                                          heads_first=True)
+    np.testing.assert_allclose(to_np(w), weights, atol=1e-6)
+    np.testing.assert_array_equal(to_np(out)[2], 0.0)
+
+
 def test_rows_with_no_allowed_key_are_zero_on_both_paths():
     # Left padding under a causal mask: query 0 may only see key 0, which is padding.
     q, k, v = random((1, 3, 2, 4), 7), random((1, 3, 2, 4), 8), random((1, 3, 2, 4), 9)
