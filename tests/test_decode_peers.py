@@ -36,6 +36,8 @@ def test_engines_count_their_tokens_and_agree(model_dir):
             assert cells[name]["new_tokens"] == batch * dp.NEW_TOKENS
             assert len(cells[name]["seconds"]) == 1 and cells[name]["tokens_per_s"] > 0
         assert cells[dp.LONG_CELL]["new_tokens"] == dp.LONG
+        assert all(len(result["linearity_seconds"][str(n)]) == dp.LINEAR_REPEATS
+                   for n in (dp.NEW_TOKENS, dp.LONG))
         assert dp.linearity(result) > 0
     keras_cells = results[names[-1]]["cells"]
     assert all(keras_cells[name]["matmul_floor_s"] > 0 for name, _, _ in dp.CELLS)
