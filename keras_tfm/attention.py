@@ -78,6 +78,11 @@ def scaled_dot_product_attention(
             output = ops.where(row_has_key[:, :, None, None], output, ops.zeros_like(output))
     else:
         keys = "bhsd" if heads_first else "bshd"
+        if heads_first and _half(key.dtype):
+            # A cached step under JAX / TensorFlow: its scores in float32, as the fused path
+            # accumulates them (bfloat16 scores doubled the error of a step against float32).
+            # A half-precision cache's keys are read as float32 (a copy a step).
+            query, key = ops.cast(query, "float32"), ops.cast(key, "float32")
         scores = ops.einsum(f"bthd,{keys}->bhts", query, key)
         scores = ops.cast(scores, "float32") * scale
         if mask is not None:
@@ -91,6 +96,10 @@ def scaled_dot_product_attention(
     if return_weights:
         return output, weights
     return output
+
+
+def _half(dtype):
+    return keras.backend.standardize_dtype(dtype) in ("float16", "bfloat16")
 
 
 def _heads_first(keys_and_values):

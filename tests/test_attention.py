@@ -63,6 +63,21 @@ def test_keys_heads_first_give_the_same_attention(queries):
     np.testing.assert_array_equal(to_np(out)[2], 0.0)
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_keys_heads_first_in_half_precision_are_as_accurate_as_the_fused_path(dtype):
+    # A cached step (one query over 129 keys): its scores are summed in float32 as the fused
+    # path's are, not rounded to the half-precision dtype first (which doubled the error).
+    q, k, v = random((4, 1, 8, 64), 13) * 2, random((4, 129, 8, 64), 14) * 2, random(
+        (4, 129, 8, 64), 15)
+    expected, _ = np_attention(q, k, v)
+    half = [keras.ops.cast(x, dtype) for x in (q, k, v, k.transpose(0, 2, 1, 3),
+                                               v.transpose(0, 2, 1, 3))]
+    fused = to_np(keras.ops.cast(scaled_dot_product_attention(*half[:3]), "float32"))
+    first = to_np(keras.ops.cast(scaled_dot_product_attention(half[0], *half[3:],
+                                                              heads_first=True), "float32"))
+    assert np.abs(first - expected).mean() <= 1.1 * np.abs(fused - expected).mean()
+
+
 def test_rows_with_no_allowed_key_are_zero_on_both_paths():
     # Left padding under a causal mask: query 0 may only see key 0, which is padding.
     q, k, v = random((1, 3, 2, 4), 7), random((1, 3, 2, 4), 8), random((1, 3, 2, 4), 9)

@@ -3,9 +3,9 @@
 Generation runs its layers' `call` directly (`direct_calls`), and inside it PyTorch writes and
 reorders caches in place, attends to the filled part of the cache only and runs Dense /
 EinsumDense / LayerNormalization layers and the logits projection as torch calls alone
-(oneDNN products against packed kernels); JAX takes its own argmax and, for one query
-position, an element-wise attention. Each test compares against the plain path (every layer
-through Keras's `__call__`, functional cache updates) or NumPy.
+(oneDNN products against packed kernels); JAX takes its own argmax. Each test compares
+against the plain path (every layer through Keras's `__call__`, functional cache updates) or
+NumPy.
 """
 
 import contextlib
