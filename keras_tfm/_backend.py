@@ -127,6 +127,9 @@ def fuses_heads_first():
     return keras.backend.backend() == "torch"
 
 
+_POSITIONS = 3  # the position axis of a key/value cache (B, 2, H, L, d)
+
+
 def update_cache(cache, index, update):
     """`cache` with `update` written at `index` along axis 3 (the position axis).
 
@@ -135,7 +138,7 @@ def update_cache(cache, index, update):
     Keras's torch `slice_update` clones the whole cache at every decoding step.
     """
     if _torch_direct():
-        cache.narrow(3, index, update.shape[3]).copy_(update)
+        cache.narrow(_POSITIONS, index, update.shape[_POSITIONS]).copy_(update)
         return cache
     zero = ops.zeros((), "int32")
     return ops.slice_update(cache, (zero, zero, zero, index, zero), update)
@@ -320,7 +323,7 @@ def filled_part(cache, length):
     and step.)
     """
     if attends_filled_only():
-        cache = cache.narrow(3, 0, int(length))
+        cache = cache.narrow(_POSITIONS, 0, int(length))
     return cache[:, 0], cache[:, 1]
 
 
@@ -331,7 +334,7 @@ def reorder_beams(cache, parent, length):
     gathered, in place: a beam step otherwise copies every layer's whole cache.
     """
     if _torch_direct():
-        filled = cache.narrow(3, 0, int(length))
+        filled = cache.narrow(_POSITIONS, 0, int(length))
         filled.copy_(filled.index_select(0, parent))
         return cache
     return ops.take(cache, parent, axis=0)

@@ -344,6 +344,10 @@ class MultiHeadSelfAttention(_MultiHeadAttentionBase):
         keys, values = self._project_context(inputs)
         return self._attend(inputs, keys, values, merged, training, return_attention_scores)
 
+    def _empty_cache(self, batch_size, length, dtype):
+        """A zero cache `(batch_size, 2, num_key_value_heads, length, key_dim)` (see `call`)."""
+        return ops.zeros((batch_size, 2, self._kv_heads, length, self._key_dim), dtype=dtype)
+
     def _call_cached(self, inputs, attention_mask, training, return_attention_scores, cache,
                      cache_update_index):
         """Write the keys/values of `inputs` at `cache_update_index`, attend over the cache."""

@@ -115,12 +115,8 @@ class Seq2SeqParts:
                 for block in self.decoder_blocks]
 
     def empty_self_attention_caches(self, batch_size, max_length):
-        caches = []
-        for block in self.decoder_blocks:
-            attention = block.self_attention
-            caches.append(ops.zeros((batch_size, 2, attention._kv_heads, max_length,
-                                     attention._key_dim), dtype=block.compute_dtype))
-        return caches
+        return [block.self_attention._empty_cache(batch_size, max_length, block.compute_dtype)
+                for block in self.decoder_blocks]
 
     def cross_attention_weights(self, source_tokens, decoder_tokens):
         """Cross-attention weights of every decoder block for teacher-forced decoder tokens.
@@ -632,8 +628,7 @@ class LanguageModelParts:
         return self.token_embedding.input_dim
 
     def empty_caches(self, batch_size, max_length):
-        return [ops.zeros((batch_size, 2, block.self_attention._kv_heads, max_length,
-                           block.self_attention._key_dim), dtype=block.compute_dtype)
+        return [block.self_attention._empty_cache(batch_size, max_length, block.compute_dtype)
                 for block in self.blocks]
 
     def forward(self, tokens, index, caches):
