@@ -330,12 +330,21 @@ def filled_part(cache, length):
 def reorder_beams(cache, parent, length):
     """`ops.take(cache, parent, axis=0)`: the cache rows of each kept beam's parent.
 
-    Under PyTorch inside `direct_calls()`, only the first `length` (filled) positions are
-    gathered, in place: a beam step otherwise copies every layer's whole cache.
+    Under PyTorch inside `direct_calls()`, only the first `length` (filled) positions of the
+    rows whose parent is another row are gathered, in place: a beam step otherwise copies every
+    layer's whole cache. (On the CPU only: finding those rows reads `parent` on the host, a
+    device sync a layer and step on an accelerator, where the copy is cheap.)
     """
     if _torch_direct():
         filled = cache.narrow(_POSITIONS, 0, int(length))
-        filled.copy_(filled.index_select(0, parent))
+        if cache.device.type != "cpu":
+            filled.copy_(filled.index_select(0, parent))
+            return cache
+        import torch
+
+        rows = torch.nonzero(parent != torch.arange(parent.shape[0])).flatten()
+        if rows.numel():
+            filled.index_copy_(0, rows, filled.index_select(0, parent[rows]))
         return cache
     return ops.take(cache, parent, axis=0)
 

@@ -117,6 +117,17 @@ def test_the_cache_is_updated_in_place_only_inside_generation():
     np.testing.assert_allclose(to_np(direct_new), to_np(new), atol=1e-6)
 
 
+@pytest.mark.parametrize("parent", [[0, 0, 3, 1, 4], [0, 1, 2, 3, 4]])
+def test_beam_reorder_gives_each_row_its_parents_filled_positions(parent):
+    """`reorder_beams` (under torch inside generation: in place, the filled positions of the
+    rows whose parent is another row) gives every row its parent's filled positions."""
+    cache = np.random.default_rng(0).normal(size=(5, 2, 2, 6, 3)).astype("float32")
+    parents = ops.convert_to_tensor(np.array(parent, "int32"))
+    with _backend.direct_calls(), _generation_grad_mode():
+        got = to_np(_backend.reorder_beams(ops.convert_to_tensor(cache), parents, 4))
+    np.testing.assert_array_equal(got[:, :, :, :4], cache[parent][:, :, :, :4])
+
+
 def _generation_grad_mode():
     """No autograd, as generation runs under PyTorch (the oneDNN products need it off)."""
     if BACKEND == "torch":

@@ -101,6 +101,25 @@ def test_beam_size_one_equals_greedy_and_beam_is_not_worse():
     np.testing.assert_allclose((log_probs * (beam != 0)).sum(1), beam_scores, atol=1e-3)
 
 
+def test_beam_candidates_are_the_best_of_all_beams_and_tokens():
+    """The 2k best continuations from each beam's 2k largest logits equal the 2k best of the
+    whole log-softmax over every (beam, token): values, beams and tokens."""
+    rng = np.random.default_rng(3)
+    batch, k, vocab, count = 3, 4, 50, 8
+    logits = rng.normal(0.0, 3.0, (batch * k, vocab)).astype("float32")
+    alive = rng.normal(-5.0, 2.0, (batch, k)).astype("float32")
+    alive[0, 1:] = generation._NEG_INF  # a first step: one live beam
+    values, beams, tokens = generation._beam_candidates(
+        ops.convert_to_tensor(logits), ops.convert_to_tensor(alive), count)
+    full = (alive[:, :, None] + np_log_softmax(logits.astype("float64")).reshape(batch, k, vocab))
+    full = full.reshape(batch, k * vocab)
+    best = np.argsort(-full, axis=1)[:, :count]
+    np.testing.assert_allclose(to_np(values), np.take_along_axis(full, best, 1), atol=1e-4)
+    np.testing.assert_array_equal(to_np(beams), best // vocab)
+    np.testing.assert_array_equal(to_np(tokens), best % vocab)
+    assert (to_np(beams)[0] == 0).all() and len(set(to_np(beams)[1].tolist())) > 1
+
+
 @pytest.mark.parametrize("method", ["greedy", "beam"])
 def test_eos_stops_and_max_length_is_respected(method):
     model = small_model()
