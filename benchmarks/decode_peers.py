@@ -8,13 +8,14 @@ One MarianMTModel with random weights is saved once to a temporary directory and
 transformers (PyTorch), CTranslate2 (`TransformersConverter`; float32 and int8 compute) and
 keras_tfm (`from_marian`) under JAX, TensorFlow and PyTorch (and under JAX after
 `model.quantize("int8")`, beside CTranslate2 int8); every engine runs in its own
-process, on the same sources (random ids ending with </s>). Cells: batch 1 and 16 greedy, batch
-16 beam 4 (and 64 greedy with `--batch64`), each exactly 32 new tokens (transformers
+process, on the same sources (random ids ending with </s>), and each call of a cell is taken
+on every engine in turn (the machine's drift falls on all alike). Cells: batch 1 and 16
+greedy, batch 16 beam 4 (and 64 greedy with `--batch64`), each exactly 32 new tokens (transformers
 `min_new_tokens`, CTranslate2 `min_decoding_length`, keras_tfm `end_id=None`), median of
 `--repeats` after a warm-up, and batch 1 greedy with 128 new tokens; decoding time against
 the number of new tokens (linear when 128 tokens take at most 4× the time of 32) from
 `LINEAR_REPEATS` batch-1 calls of 32 and of 128 tokens taken in turns; and the two
-stream cells, run first in each process, wall time with compilation: `--stream` sources of
+stream cells, run first, wall time with compilation: `--stream` sources of
 random lengths 5-60, one call each, then the same sources in batches of 16 of mixed lengths
 (transformers and CTranslate2 one call per batch; keras_tfm one `generate(...,
 batch_size=16)` call, which pads every source to the longest of all; `--no-length-buckets`:
@@ -28,7 +29,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -261,59 +261,127 @@ def matmul_floor(shape, cells, repeats=3):
             for cell, batch, beam in cells}
 
 
-def run_engine(name, model_dir, ct2_dir, stream=30, repeats=3, batch64=False,
-               length_buckets="auto"):
-    """One engine's cells: seconds, tokens/s, and its greedy tokens for the check."""
+def _serve(conn, name, model_dir, ct2_dir, length_buckets):
+    """An engine's process: load it, then answer `(task, args)` requests until `None`."""
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     start = time.perf_counter()
     translate, pad = make_engine(name, model_dir, ct2_dir, length_buckets)
-    load_s = time.perf_counter() - start
-    fixed, stream_sources, check = sources(pad + 1, stream)
-    result = {"engine": name, "load_s": load_s, "cells": {}}
+    conn.send(time.perf_counter() - start)
 
-    # First, with no warm-up and compilation included: the stream one source at a time, then
-    # the same sources in batches of 16 of mixed lengths (new shapes again).
-    for cell, size in ((STREAM, 1), (STREAM16, 16)):
+    def timed(batch, beam, new_tokens=NEW_TOKENS, batch_size=None):
+        """(seconds, new tokens) of one forced call."""
+        kwargs = {} if batch_size is None else {"batch_size": batch_size}
         start = time.perf_counter()
-        if size > 1 and name not in PEERS:  # keras_tfm chunks a list itself (`batch_size`)
-            new_tokens = count(translate(stream_sources, 1, True, batch_size=size), pad)
-        else:
-            new_tokens = sum(count(translate(stream_sources[i:i + size], 1, True), pad)
-                             for i in range(0, len(stream_sources), size))
-        seconds = time.perf_counter() - start
-        result["cells"][cell] = {"seconds": [seconds], "new_tokens": new_tokens,
-                                 "tokens_per_s": new_tokens / seconds}
+        rows = translate(batch, beam, True, new_tokens, **kwargs)
+        return time.perf_counter() - start, count(rows, pad)
 
-    cells = CELLS + ((BATCH64,) if batch64 else ())
-    for cell, batch, beam in cells + ((LONG_CELL, 1, 1),):
-        tokens = LONG if cell == LONG_CELL else NEW_TOKENS
-        new_tokens = count(translate(fixed[:batch], beam, True, tokens), pad)  # and warm-up
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            translate(fixed[:batch], beam, True, tokens)
-            times.append(time.perf_counter() - start)
-        median = statistics.median(times)
-        result["cells"][cell] = {"seconds": times, "new_tokens": new_tokens,
-                                 "tokens_per_s": new_tokens / median}
-    # Linearity from calls taken in turns: the cells above are a minute apart, and a drift of
-    # the machine between them read as growth (128 ÷ 32 of 3.9-4.4 on one engine's reruns).
-    turns = {NEW_TOKENS: [], LONG: []}
-    for _ in range(LINEAR_REPEATS):
-        for tokens, times in turns.items():
-            start = time.perf_counter()
-            translate(fixed[:1], 1, True, tokens)
-            times.append(time.perf_counter() - start)
-    result["linearity_seconds"] = {str(tokens): times for tokens, times in turns.items()}
-    result["greedy_tokens"] = cut(translate(check, 1, False), pad)
-    if name in KERAS_ENGINES:
+    def floors(cells, repeats):
         from transformers import AutoConfig
 
         config = AutoConfig.from_pretrained(model_dir)
-        shape = dict(d_model=config.d_model, ff=config.encoder_ffn_dim,
-                     layers=config.decoder_layers, vocab=config.vocab_size)
-        for cell, floor in matmul_floor(shape, cells, repeats).items():
-            result["cells"][cell]["matmul_floor_s"] = floor
-    return result
+        return matmul_floor(dict(d_model=config.d_model, ff=config.encoder_ffn_dim,
+                                 layers=config.decoder_layers, vocab=config.vocab_size),
+                            cells, repeats)
+
+    tasks = {"timed": timed, "floors": floors,
+             "greedy": lambda batch: cut(translate(batch, 1, False), pad)}
+    while (request := conn.recv()) is not None:
+        task, args = request
+        conn.send(tasks[task](*args))
+
+
+class Engine:
+    """One engine in its own process (`spawn`: a fresh interpreter picks its Keras backend);
+    `engine(task, *args)` runs a task there and returns its answer."""
+
+    def __init__(self, name, model_dir, ct2_dir, length_buckets="auto"):
+        import multiprocessing
+
+        self.name = name
+        context = multiprocessing.get_context("spawn")
+        self._conn, child = context.Pipe()
+        self._process = context.Process(target=_serve, daemon=True, args=(
+            child, name, model_dir, ct2_dir, length_buckets))
+        self._process.start()
+        self.load_s = self._conn.recv()
+
+    def __call__(self, task, *args):
+        self._conn.send((task, args))
+        return self._conn.recv()
+
+    def close(self):
+        self._conn.send(None)
+        self._process.join()
+
+
+def run_engines(names, model_dir, ct2_dir, stream=30, repeats=3, batch64=False,
+                length_buckets="auto"):
+    """Every engine's cells, taken in turns: each call of a cell is followed by the same call
+    on every other engine (the order rotating), so that the machine's drift (cells move
+    ±10-20% over minutes on the development VM) falls on all engines alike. Returns, per
+    engine: seconds, tokens/s, the linearity calls and its greedy tokens for the check."""
+    engines = [Engine(name, model_dir, ct2_dir, length_buckets) for name in names]
+    try:
+        results = {e.name: {"engine": e.name, "load_s": e.load_s, "cells": {}} for e in engines}
+        from transformers import AutoConfig
+
+        vocab = AutoConfig.from_pretrained(model_dir).pad_token_id + 1
+        fixed, stream_sources, check = sources(vocab, stream)
+
+        def in_turns(calls, turn):
+            """`calls` rounds; in each, every engine (rotated order) answers `turn(engine)`."""
+            out = {e.name: [] for e in engines}
+            for i in range(calls):
+                for e in engines[i % len(engines):] + engines[:i % len(engines)]:
+                    out[e.name].append(turn(e, i))
+            return out
+
+        def record(cell, seconds, new_tokens):
+            for name in results:
+                results[name]["cells"][cell] = {
+                    "seconds": seconds[name], "new_tokens": new_tokens[name],
+                    "tokens_per_s": new_tokens[name] / statistics.median(seconds[name])}
+
+        # First, with no warm-up and compilation included: the stream one source at a time
+        # (each source on every engine in turn), then the same sources in batches of 16 of
+        # mixed lengths (new shapes again; keras_tfm chunks the list itself, `batch_size`,
+        # in one call, so this cell is taken an engine at a time).
+        calls = in_turns(len(stream_sources), lambda e, i: e("timed", [stream_sources[i]], 1))
+        record(STREAM, {n: [sum(s for s, _ in c)] for n, c in calls.items()},
+               {n: sum(t for _, t in c) for n, c in calls.items()})
+        stream16 = {}
+        for e in engines:
+            if e.name in PEERS:
+                parts = [e("timed", stream_sources[i:i + 16], 1)
+                         for i in range(0, len(stream_sources), 16)]
+                stream16[e.name] = (sum(s for s, _ in parts), sum(t for _, t in parts))
+            else:
+                stream16[e.name] = e("timed", stream_sources, 1, NEW_TOKENS, 16)
+        record(STREAM16, {n: [s] for n, (s, _) in stream16.items()},
+               {n: t for n, (_, t) in stream16.items()})
+
+        cells = CELLS + ((BATCH64,) if batch64 else ())
+        for cell, batch, beam in cells + ((LONG_CELL, 1, 1),):
+            tokens = LONG if cell == LONG_CELL else NEW_TOKENS
+            warm = {e.name: e("timed", fixed[:batch], beam, tokens)[1] for e in engines}
+            calls = in_turns(repeats, lambda e, i: e("timed", fixed[:batch], beam, tokens)[0])
+            record(cell, calls, warm)
+        # Linearity: batch-1 calls of NEW_TOKENS and LONG tokens, in turns within each engine
+        # too (the cells above are a minute apart: drift between them read as growth).
+        calls = in_turns(LINEAR_REPEATS, lambda e, i: [e("timed", fixed[:1], 1, n)[0]
+                                                        for n in (NEW_TOKENS, LONG)])
+        for e in engines:
+            results[e.name]["linearity_seconds"] = {
+                str(n): [pair[j] for pair in calls[e.name]]
+                for j, n in enumerate((NEW_TOKENS, LONG))}
+            results[e.name]["greedy_tokens"] = e("greedy", check)
+            if e.name in KERAS_ENGINES:
+                for cell, floor in e("floors", cells, repeats).items():
+                    results[e.name]["cells"][cell]["matmul_floor_s"] = floor
+        return results
+    finally:
+        for e in engines:
+            e.close()
 
 
 def agreement(results, reference="transformers"):
@@ -421,35 +489,18 @@ def main():
     parser.add_argument("--no-length-buckets", action="store_true",
                         help="keras_tfm without source-length buckets (length_buckets=None)")
     parser.add_argument("--output-dir", default=RESULTS)
-    parser.add_argument("--engine", choices=ENGINES, help=argparse.SUPPRESS)  # internal: one
-    parser.add_argument("--model-dir", help=argparse.SUPPRESS)
-    parser.add_argument("--json", help=argparse.SUPPRESS)
     args = parser.parse_args()
     options = dict(stream=args.stream, repeats=args.repeats, batch64=args.batch64,
                    length_buckets=None if args.no_length_buckets else "auto")
-    if args.engine:
-        os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-        result = run_engine(args.engine, args.model_dir, os.path.join(args.model_dir, "ct2"),
-                            **options)
-        with open(args.json, "w") as f:
-            json.dump(result, f)
-        return
     shape_name = "small" if args.small else "base"
-    results = {}
     with tempfile.TemporaryDirectory() as model_dir:
         write_model(model_dir, SHAPES[shape_name])
         convert_ctranslate2(model_dir, os.path.join(model_dir, "ct2"))
-        for name in args.engines:
-            out = os.path.join(model_dir, f"{name}.json")
-            command = [sys.executable, __file__, "--engine", name, "--model-dir", model_dir,
-                       "--json", out, "--stream", str(args.stream), "--repeats",
-                       str(args.repeats)] + (["--batch64"] if args.batch64 else []) + (
-                           ["--no-length-buckets"] if args.no_length_buckets else [])
-            subprocess.run(command, check=True)
-            with open(out) as f:
-                results[name] = json.load(f)
-            print(f"{name}: " + ", ".join(f"{c} {v['tokens_per_s']:,.0f}"
-                                         for c, v in results[name]["cells"].items()), flush=True)
+        results = run_engines(args.engines, model_dir, os.path.join(model_dir, "ct2"),
+                              **options)
+    for name, result in results.items():
+        print(f"{name}: " + ", ".join(f"{c} {v['tokens_per_s']:,.0f}"
+                                     for c, v in result["cells"].items()), flush=True)
     check = agreement(results) if "transformers" in results else {}
     print(table(results))
     print("greedy tokens equal to transformers' (rows):",
