@@ -327,26 +327,30 @@ def filled_part(cache, length):
     return cache[:, 0], cache[:, 1]
 
 
-def reorder_beams(cache, parent, length):
-    """`ops.take(cache, parent, axis=0)`: the cache rows of each kept beam's parent.
+def reorder_beams(caches, parent, length):
+    """`[ops.take(cache, parent, axis=0) for cache in caches]`: each cache's rows of each kept
+    beam's parent.
 
     Under PyTorch inside `direct_calls()`, only the first `length` (filled) positions of the
     rows whose parent is another row are gathered, in place: a beam step otherwise copies every
-    layer's whole cache. (On the CPU only: finding those rows reads `parent` on the host, a
-    device sync a layer and step on an accelerator, where the copy is cheap.)
+    layer's whole cache. Those rows are found once for all caches, and on the CPU only (it
+    reads `parent` on the host: a device sync a step on an accelerator, where the copy is cheap).
     """
-    if _torch_direct():
-        filled = cache.narrow(_POSITIONS, 0, int(length))
-        if cache.device.type != "cpu":
-            filled.copy_(filled.index_select(0, parent))
-            return cache
-        import torch
+    if not _torch_direct():
+        return [ops.take(cache, parent, axis=0) for cache in caches]
+    import torch
 
+    rows, sources = None, parent
+    if parent.device.type == "cpu":
         rows = torch.nonzero(parent != torch.arange(parent.shape[0])).flatten()
-        if rows.numel():
-            filled.index_copy_(0, rows, filled.index_select(0, parent[rows]))
-        return cache
-    return ops.take(cache, parent, axis=0)
+        sources = parent[rows]
+    for cache in caches:
+        filled = cache.narrow(_POSITIONS, 0, int(length))
+        if rows is None:
+            filled.copy_(filled.index_select(0, sources))
+        elif rows.numel():
+            filled.index_copy_(0, rows, filled.index_select(0, sources))
+    return caches
 
 
 def argmax(x):

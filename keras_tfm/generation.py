@@ -283,7 +283,7 @@ def _beam_search(parts, source, start_id, end_id, max_length, beam_size, alpha, 
         alive_seq = _gather_beams(top_seq, alive_pick)
         parent = ops.reshape(_gather_beams(top_beam, alive_pick) + offsets, (-1,))
         filled = i + 1  # positions 0 … i of every cache hold keys and values
-        caches = [reorder_beams(cache, parent, filled) for cache in caches]
+        caches = reorder_beams(caches, parent, filled)
 
         # Finished hypotheses are kept aside, ranked by their length-penalised score.
         new_scores = ops.where(ends, top_log_probs / _length_penalty(i + 1, alpha), _NEG_INF)

@@ -124,7 +124,7 @@ def test_beam_reorder_gives_each_row_its_parents_filled_positions(parent):
     cache = np.random.default_rng(0).normal(size=(5, 2, 2, 6, 3)).astype("float32")
     parents = ops.convert_to_tensor(np.array(parent, "int32"))
     with _backend.direct_calls(), _generation_grad_mode():
-        got = to_np(_backend.reorder_beams(ops.convert_to_tensor(cache), parents, 4))
+        got = to_np(_backend.reorder_beams([ops.convert_to_tensor(cache)], parents, 4)[0])
     np.testing.assert_array_equal(got[:, :, :, :4], cache[parent][:, :, :, :4])
 
 
