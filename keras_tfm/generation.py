@@ -238,10 +238,10 @@ def _beam_search(parts, source, start_id, end_id, max_length, beam_size, alpha, 
     batch, k = ops.shape(source)[0], beam_size
     length = max_length + 1
     encoder_outputs, source_mask = parts.encode(source)
-    # Beams are folded into the batch: row b * k + j is beam j of source b.
-    encoder_outputs = ops.repeat(encoder_outputs, k, axis=0)
+    # Beams are folded into the batch: row b * k + j is beam j of source b. The cross-attention
+    # keys and values are projected once per source, then repeated (not projected k times).
+    cross = [ops.repeat(c, k, axis=0) for c in parts.cross_attention_caches(encoder_outputs)]
     source_mask = ops.repeat(source_mask, k, axis=0)
-    cross = parts.cross_attention_caches(encoder_outputs)
     caches = parts.empty_self_attention_caches(batch * k, max_length)
 
     alive_seq = ops.concatenate([ops.full((batch, k, 1), start_id, "int32"),
