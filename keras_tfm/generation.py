@@ -17,7 +17,7 @@ import numpy as np
 from keras import ops
 
 from keras_tfm import masks as masks_lib
-from keras_tfm._backend import argmax, call_layer, direct_calls, reorder_beams
+from keras_tfm._backend import argmax, call_layer, direct_calls, reorder_beams, top_k
 from keras_tfm._checks import check_special_ids, check_token_ids
 from keras_tfm.blocks import TransformerDecoderBlock, TransformerEncoderBlock
 from keras_tfm.embedding import TokenAndPositionEmbedding
@@ -184,7 +184,7 @@ def _beam_candidates(logits, alive_log_probs, count):
     those are normalised and ranked across beams.
     """
     batch, k = ops.shape(alive_log_probs)
-    row_logits, row_tokens = ops.top_k(logits, count)  # (B * k, count), sorted
+    row_logits, row_tokens = top_k(logits, count)  # (B * k, count), sorted
     # (The row maximum is taken again, not sliced off `row_logits`: under JAX on the CPU that
     # slice made XLA sort whole rows instead of its top-k, 11 -> 680 ms at (64, 32000).)
     row_log_probs = ops.reshape(_log_probs_at(logits, row_logits), (batch, k, count))
@@ -318,11 +318,11 @@ def _compile(model, search, static_shapes=False):
 
     The one backend-specific piece of generation: JAX jit-compiles with the model's variables
     passed in (a StatelessScope), so later weight updates are seen without recompiling;
-    TensorFlow traces a tf.function without AutoGraph (variables are read live); PyTorch runs eagerly without
-    autograd. JAX retraces for each new input shape; TensorFlow traces once, with every
-    dimension unknown, and that graph serves every shape, unless `static_shapes` (a search
-    whose cache size depends on an input's shape: one trace per shape). Layers run their
-    `call` directly (`direct_calls`: eager PyTorch would otherwise pay Keras's `__call__` at
+    TensorFlow traces a tf.function without AutoGraph (variables are read live); PyTorch runs
+    eagerly without autograd. JAX retraces for each new input shape; TensorFlow traces once, with every dimension
+    unknown, and that graph serves every shape, unless `static_shapes` (a search whose cache
+    size depends on an input's shape: one trace per shape). Layers run their `call` directly
+    (`direct_calls`: eager PyTorch would otherwise pay Keras's `__call__` at
     every step).
     """
     backend = keras.backend.backend()

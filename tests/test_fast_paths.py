@@ -3,9 +3,9 @@
 Generation runs its layers' `call` directly (`direct_calls`), and inside it PyTorch writes and
 reorders caches in place, attends to the filled part of the cache only and runs Dense /
 EinsumDense / LayerNormalization layers and the logits projection as torch calls alone
-(oneDNN products against packed kernels); JAX takes its own argmax. Each test compares
-against the plain path (every layer through Keras's `__call__`, functional cache updates) or
-NumPy.
+(oneDNN products against packed kernels); JAX takes its own argmax and
+top-k. Each test compares against the plain path (every layer through Keras's `__call__`,
+functional cache updates) or NumPy.
 """
 
 import contextlib
@@ -219,6 +219,32 @@ def test_argmax_helper_takes_the_first_maximum():
                                   big.argmax(-1))
 
 
+@pytest.mark.parametrize("vocab", [1000, 32000, 1157])
+def test_top_k_helper_equals_a_full_ranking(vocab):
+    """Two stages under JAX on the CPU: the same values and indices as NumPy's stable ranking,
+    ties (in one chunk and across chunks) to the lower index, a vocabulary that is not a
+    multiple of the chunk size, and rows whose best values share one chunk. (torch's top-k,
+    which the helper is elsewhere, orders equal values as it likes: there the indices are
+    checked to hold the values.)"""
+    rng = np.random.default_rng(vocab)
+    x = rng.normal(size=(6, vocab)).astype("float32")
+    x[0, [5, 9, 700, 900]] = 10.0  # four equal maxima, two chunks
+    x[1, 130:138] = np.arange(8, 16)  # the best eight in one chunk
+    x[2, -3:] = 20.0  # in the last, partly filled chunk
+    x[3, :] = 1.0  # every value equal
+    for k in (1, 8):
+        values, indices = _backend.top_k(ops.convert_to_tensor(x), k)
+        order = np.argsort(-x, axis=-1, kind="stable")[:, :k]
+        np.testing.assert_array_equal(to_np(values), np.take_along_axis(x, order, -1))
+        np.testing.assert_array_equal(np.take_along_axis(x, to_np(indices), -1), to_np(values))
+        assert all(len(set(row)) == k for row in to_np(indices).tolist())
+        if keras.backend.backend() != "torch":
+            np.testing.assert_array_equal(to_np(indices), order)
+        assert to_np(indices).dtype == np.int32
+    np.testing.assert_array_equal(to_np(_backend.argmax(ops.convert_to_tensor(x))),
+                                  x.argmax(-1))
+
+
 def test_mixed_precision_layers_keep_keras_call(monkeypatch):
     """A layer whose variables are float32 but computes in bfloat16 needs `__call__`'s
     autocasting: the fast path leaves it there, and decoding equals the plain path."""
@@ -233,3 +259,4 @@ def test_mixed_precision_layers_keep_keras_call(monkeypatch):
     assert mixed
     with _backend.direct_calls():  # each is called through Keras's __call__
         assert all(_backend._plan(layer) is layer for layer in mixed)
+
