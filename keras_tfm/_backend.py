@@ -315,6 +315,40 @@ def _torch_layer_norm_plan(layer):
     return run
 
 
+_MALLOC_ENV = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
+
+
+@functools.lru_cache(maxsize=None)
+def keep_freed_memory():
+    """Ask glibc's `malloc` to keep freed memory for reuse in this process (once; True if it
+    agreed). PyTorch generation on the CPU calls it.
+
+    Eager PyTorch allocates each step's large arrays afresh (the `(B, vocab)` logits and their
+    log-sum-exp: 8 MB each at 64 rows × 32,000), and with glibc's defaults a freed block that
+    large goes back to the system (an `mmap` per allocation, or the heap's top trimmed) and is
+    page-faulted in again at the next step: 387,000 minor faults in one beam search of 16
+    sources × 4 beams (opus-mt-base, 32 tokens), 1.42 s, against 5 faults and 1.15 s with
+    blocks up to 32 MB kept on the heap and the heap trimmed only beyond 1 GB free (greedy, 64
+    rows: 1.69 → 1.15 s; transformers, JAX and TensorFlow, which allocate otherwise,
+    unchanged). The cost: the process keeps up to 1 GB of freed heap. Left alone when
+    `MALLOC_MMAP_THRESHOLD_` or `MALLOC_TRIM_THRESHOLD_` is set (the user's choice) and on a
+    C library other than glibc.
+    """
+    import ctypes
+    import os
+    import platform
+
+    if any(name in os.environ for name in _MALLOC_ENV) or platform.libc_ver()[0] != "glibc":
+        return False
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    m_trim_threshold, m_mmap_threshold = -1, -3  # glibc's mallopt parameters (malloc.h)
+    return bool(libc.mallopt(m_mmap_threshold, 32 << 20)
+                and libc.mallopt(m_trim_threshold, 1 << 30))
+
+
 def attends_filled_only():
     """Whether `filled_part` returns the filled positions alone (eager PyTorch in
     `direct_calls()`); otherwise the whole cache, which the causal mask must cut."""

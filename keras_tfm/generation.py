@@ -17,7 +17,8 @@ import numpy as np
 from keras import ops
 
 from keras_tfm import masks as masks_lib
-from keras_tfm._backend import argmax, call_layer, direct_calls, reorder_beams, top_k
+from keras_tfm._backend import (argmax, call_layer, direct_calls, keep_freed_memory,
+                                reorder_beams, top_k)
 from keras_tfm._checks import check_special_ids, check_token_ids
 from keras_tfm.blocks import TransformerDecoderBlock, TransformerEncoderBlock
 from keras_tfm.embedding import TokenAndPositionEmbedding
@@ -319,7 +320,8 @@ def _compile(model, search, static_shapes=False):
     The one backend-specific piece of generation: JAX jit-compiles with the model's variables
     passed in (a StatelessScope), so later weight updates are seen without recompiling;
     TensorFlow traces a tf.function without AutoGraph (variables are read live); PyTorch runs
-    eagerly without autograd. JAX retraces for each new input shape; TensorFlow traces once, with every dimension
+    eagerly without autograd, with glibc asked to keep freed memory (`keep_freed_memory`).
+    JAX retraces for each new input shape; TensorFlow traces once, with every dimension
     unknown, and that graph serves every shape, unless `static_shapes` (a search whose cache
     size depends on an input's shape: one trace per shape). Layers run their `call` directly
     (`direct_calls`: eager PyTorch would otherwise pay Keras's `__call__` at
@@ -360,6 +362,8 @@ def _compile(model, search, static_shapes=False):
         return run
     if backend == "torch":
         import torch
+
+        keep_freed_memory()  # (fresh arrays a step would otherwise page-fault: see there)
 
         def run(*inputs):
             with torch.no_grad():

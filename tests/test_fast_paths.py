@@ -3,7 +3,7 @@
 Generation runs its layers' `call` directly (`direct_calls`), and inside it PyTorch writes and
 reorders caches in place, attends to the filled part of the cache only and runs Dense /
 EinsumDense / LayerNormalization layers and the logits projection as torch calls alone
-(oneDNN products against packed kernels); JAX takes its own argmax and
+(oneDNN products against packed kernels) and keeps freed memory; JAX takes its own argmax and
 top-k. Each test compares against the plain path (every layer through Keras's `__call__`,
 functional cache updates) or NumPy.
 """
@@ -260,3 +260,27 @@ def test_mixed_precision_layers_keep_keras_call(monkeypatch):
     with _backend.direct_calls():  # each is called through Keras's __call__
         assert all(_backend._plan(layer) is layer for layer in mixed)
 
+
+@pytest.mark.skipif(BACKEND != "torch", reason="torch generation's malloc rule (JAX and "
+                    "TensorFlow allocate through their own allocators)")
+def test_torch_generation_reuses_freed_memory(monkeypatch):
+    """A search that frees 4 MB logits arrays every step takes them again from the process's
+    heap instead of page-faulting fresh pages: few minor faults in a warm call (thousands
+    with glibc's defaults). A user's MALLOC_*_ environment variable is left alone."""
+    import platform
+    import resource
+
+    if platform.libc_ver()[0] != "glibc":
+        pytest.skip("the rule is glibc's")
+    monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "0")
+    assert _backend.keep_freed_memory.__wrapped__() is False
+    monkeypatch.delenv("MALLOC_TRIM_THRESHOLD_")
+    model = build_transformer(32000, 32000, d_model=16, num_heads=2, ff_dim=32,
+                              num_encoder_layers=1, num_decoder_layers=1, dropout=0.0)
+    src = np.random.default_rng(0).integers(3, 32000, (32, 6)).astype("int32")
+    generate(model, src, start_id=1, end_id=None, max_length=8)  # warm
+    assert _backend.keep_freed_memory()
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    generate(model, src, start_id=1, end_id=None, max_length=8)
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+    assert faults < 500
