@@ -262,11 +262,28 @@ def matmul_floor(shape, cells, repeats=3):
 
 
 def _serve(conn, name, model_dir, ct2_dir, length_buckets):
-    """An engine's process: load it, then answer `(task, args)` requests until `None`."""
+    """An engine's process: load it, then answer `(task, args)` requests until `None`. Each
+    answer is `(ok, value)`: a failure sends its traceback back for the parent to raise."""
+    import traceback
+
+    def answer(work, *args):
+        try:
+            conn.send((True, work(*args)))
+        except Exception:  # noqa: BLE001 (sent back and raised in the parent)
+            conn.send((False, traceback.format_exc()))
+
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     start = time.perf_counter()
-    translate, pad = make_engine(name, model_dir, ct2_dir, length_buckets)
-    conn.send(time.perf_counter() - start)
+    engine = []
+
+    def load():
+        engine.extend(make_engine(name, model_dir, ct2_dir, length_buckets))
+        return time.perf_counter() - start
+
+    answer(load)
+    if not engine:
+        return
+    translate, pad = engine
 
     def timed(batch, beam, new_tokens=NEW_TOKENS, batch_size=None):
         """(seconds, new tokens) of one forced call."""
@@ -287,7 +304,7 @@ def _serve(conn, name, model_dir, ct2_dir, length_buckets):
              "greedy": lambda batch: cut(translate(batch, 1, False), pad)}
     while (request := conn.recv()) is not None:
         task, args = request
-        conn.send(tasks[task](*args))
+        answer(tasks[task], *args)
 
 
 class Engine:
@@ -303,14 +320,21 @@ class Engine:
         self._process = context.Process(target=_serve, daemon=True, args=(
             child, name, model_dir, ct2_dir, length_buckets))
         self._process.start()
-        self.load_s = self._conn.recv()
+        self.load_s = self._answer("loading")
+
+    def _answer(self, task):
+        ok, value = self._conn.recv()
+        if not ok:
+            raise RuntimeError(f"{self.name} failed in {task!r}; its traceback:\n{value}")
+        return value
 
     def __call__(self, task, *args):
         self._conn.send((task, args))
-        return self._conn.recv()
+        return self._answer(task)
 
     def close(self):
-        self._conn.send(None)
+        if self._process.is_alive():
+            self._conn.send(None)
         self._process.join()
 
 

@@ -50,6 +50,20 @@ def test_engines_count_their_tokens_and_agree(model_dir):
     assert min(check["transformers"]["distinct_tokens_per_row"]) >= 5
 
 
+def test_an_engine_that_fails_raises_its_error_in_the_parent(model_dir, tmp_path):
+    """A task that fails in an engine's process, and an engine that cannot load, raise in the
+    parent with the child's traceback (not a bare EOFError)."""
+    engine = dp.Engine("ctranslate2-float32", model_dir, os.path.join(model_dir, "ct2"))
+    try:
+        with pytest.raises(RuntimeError, match="ctranslate2-float32 failed in 'timed'"):
+            engine("timed", [[10 ** 6]], 1)  # an id outside the vocabulary
+        assert engine("greedy", [[5, 6, 0]])  # and it still answers
+    finally:
+        engine.close()
+    with pytest.raises(RuntimeError, match="failed in 'loading'(.|\n)*Error"):
+        dp.Engine("ctranslate2-float32", model_dir, str(tmp_path / "no_model"))
+
+
 def test_ratios_table_and_plot(tmp_path):
     fake = {name: {"cells": {"a": {"tokens_per_s": speed}, "b": {"tokens_per_s": 2 * speed}}}
             for name, speed in (("transformers", 100.0), ("ctranslate2-float32", 200.0),
