@@ -321,7 +321,7 @@ _MALLOC_ENV = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
 @functools.lru_cache(maxsize=None)
 def keep_freed_memory():
     """Ask glibc's `malloc` to keep freed memory for reuse in this process (once; True if it
-    agreed). PyTorch generation on the CPU calls it.
+    agreed). PyTorch generation calls it.
 
     Eager PyTorch allocates each step's large arrays afresh (the `(B, vocab)` logits and their
     log-sum-exp: 8 MB each at 64 rows × 32,000), and with glibc's defaults a freed block that
@@ -399,7 +399,7 @@ _CHUNK = 128  # row positions per chunk of the two-stage reductions (`_chunks`)
 
 
 def _chunks(x):
-    """`x (B, V)` as `(B, n, _CHUNK)` chunks of consecutive positions, the last filled with -inf."""
+    """`x (B, V)` as `(B, n, _CHUNK)` chunks of consecutive positions (-inf fills the last)."""
     rows, size = ops.shape(x)
     n = -(-size // _CHUNK)
     if n * _CHUNK != size:
@@ -424,7 +424,8 @@ def argmax(x):
     Under JAX on the CPU, in two stages over chunks of 128 positions (`top_k` says why): the
     first chunk holding the row's maximum, then the first position in it. XLA's CPU argmax (a
     reduction over value-index pairs) took 4.7 ms on `(64, 32000)` logits, a row maximum and
-    then the smallest index holding it 1.0 ms, these two stages 0.29 ms (jax 0.10.2).
+    then the smallest index holding it 1.0 ms, these two stages 0.29 ms (jax 0.10.2). A row
+    with NaN gives its first NaN's index, as `ops.argmax` under JAX.
     """
     if not _jax_cpu():
         return ops.cast(ops.argmax(x, axis=-1), "int32")
@@ -438,10 +439,11 @@ def top_k(x, k):
     """`ops.top_k(x, k)` over the last axis of `x (B, V)`: the k largest values of each row,
     largest first, and their int32 indices.
 
-    Under JAX on the CPU, exactly the same (equal values: the lower index first) in two stages: each chunk of 128 positions is
-    reduced to its maximum, the k chunks with the largest maxima are taken (every one of the
-    k largest values lies in one of them: a value outside them is outranked by those k
-    maxima) in position order, and the top k of their `k * 128` values picked. XLA's CPU TopK
+    Under JAX on the CPU, exactly the same (equal values: the lower index first) in two
+    stages: each chunk of 128 positions is reduced to its maximum, the k chunks with the
+    largest maxima are taken (every one of the k largest values lies in one of them: a value
+    outside them is outranked by those k maxima) in position order, and the top k of their
+    `k * 128` values picked. XLA's CPU TopK
     took 2.3 ms on `(64, 32000)` logits with k = 8, the two stages 0.36 ms (jax 0.10.2); a
     beam search step at 64 rows takes one.
     """

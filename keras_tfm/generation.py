@@ -324,8 +324,7 @@ def _compile(model, search, static_shapes=False):
     JAX retraces for each new input shape; TensorFlow traces once, with every dimension
     unknown, and that graph serves every shape, unless `static_shapes` (a search whose cache
     size depends on an input's shape: one trace per shape). Layers run their `call` directly
-    (`direct_calls`: eager PyTorch would otherwise pay Keras's `__call__` at
-    every step).
+    (`direct_calls`: eager PyTorch would otherwise pay Keras's `__call__` at every step).
     """
     backend = keras.backend.backend()
 
