@@ -223,8 +223,8 @@ def test_argmax_helper_takes_the_first_maximum():
 def test_top_k_helper_equals_a_full_ranking(vocab):
     """Two stages under JAX on the CPU: the same values and indices as NumPy's stable ranking,
     ties (in one chunk and across chunks) to the lower index, a vocabulary that is not a
-    multiple of the chunk size, and rows whose best values share one chunk. (torch's top-k,
-    which the helper is elsewhere, orders equal values as it likes: there the indices are
+    multiple of the chunk size, and rows whose best values share one chunk. (Elsewhere the helper
+    is the backend's top-k; torch's orders equal values as it likes, so there the indices are
     checked to hold the values.)"""
     rng = np.random.default_rng(vocab)
     x = rng.normal(size=(6, vocab)).astype("float32")
