@@ -11,13 +11,20 @@ import keras
 from keras import ops
 
 
-def _jax_cpu():
-    """Whether this is JAX on the CPU (XLA's CPU compiler: see `unfused`, `argmax`, `top_k`)."""
-    if keras.backend.backend() != "jax":
-        return False
-    import jax
+def _xla_cpu():
+    """Whether the code being traced is compiled by XLA for the CPU: JAX on the CPU, or a
+    TensorFlow search that generation compiles with XLA (`direct_calls(xla=True)`) on a machine
+    without a GPU. XLA's CPU compiler is what `unfused`, `argmax` and `top_k` work around."""
+    backend = keras.backend.backend()
+    if backend == "jax":
+        import jax
 
-    return jax.default_backend() == "cpu"
+        return jax.default_backend() == "cpu"
+    if backend == "tensorflow" and getattr(_DIRECT, "xla", False):
+        import tensorflow as tf
+
+        return not tf.config.list_logical_devices("GPU")
+    return False
 
 
 def unfused(x):
@@ -27,9 +34,10 @@ def unfused(x):
     element-wise operation after it into one naive loop: the tied logits projection
     `hidden @ embeddingsᵀ + bias` at batch 1, for a 32,000 × 512 table, took 15 ms instead of
     1.2 ms (jax 0.10.2). An optimization barrier keeps the product a library matmul. Other
-    backends and devices: the identity.
+    backends and devices: the identity. (TensorFlow has no such barrier; it compiles with XLA
+    only searches of 8 rows or more, where the product is no matrix-vector product.)
     """
-    if _jax_cpu():
+    if _xla_cpu() and keras.backend.backend() == "jax":
         import jax
 
         return jax.lax.optimization_barrier(x)
@@ -50,20 +58,20 @@ def _torch_direct():
 
 
 @contextlib.contextmanager
-def direct_calls():
+def direct_calls(xla=False):
     """Within this scope, `call_layer` runs built layers' `call` directly (see there).
 
     Generation enters it around its search: the layers are built, inputs are tensors of the
     compute dtype, masks and `training` are passed explicitly, and no layer is rebuilt,
     quantized or given new variables until the scope ends (how each layer is called is
-    decided once per scope).
+    decided once per scope). `xla`: the scope is traced by TensorFlow for XLA (`_xla_cpu`).
     """
-    previous = getattr(_DIRECT, "plans", None)
-    _DIRECT.plans = {}
+    previous = getattr(_DIRECT, "plans", None), getattr(_DIRECT, "xla", False)
+    _DIRECT.plans, _DIRECT.xla = {}, xla
     try:
         yield
     finally:
-        _DIRECT.plans = previous
+        _DIRECT.plans, _DIRECT.xla = previous
 
 
 def call_layer(layer, *args, **kwargs):
@@ -421,13 +429,13 @@ def _chunk_positions(which, position):
 def argmax(x):
     """`ops.argmax(x, axis=-1)` as int32: the first index of each row's largest value.
 
-    Under JAX on the CPU, in two stages over chunks of 128 positions (`top_k` says why): the
-    first chunk holding the row's maximum, then the first position in it. XLA's CPU argmax (a
-    reduction over value-index pairs) took 4.7 ms on `(64, 32000)` logits, a row maximum and
-    then the smallest index holding it 1.0 ms, these two stages 0.29 ms (jax 0.10.2). A row
-    with NaN gives its first NaN's index, as `ops.argmax` under JAX.
+    Under XLA on the CPU (`_xla_cpu`), in two stages over chunks of 128 positions (`top_k`
+    says why): the first chunk holding the row's maximum, then the first position in it.
+    XLA's CPU argmax (a reduction over value-index pairs) took 4.7 ms on `(64, 32000)` logits,
+    a row maximum and then the smallest index holding it 1.0 ms, these two stages 0.29 ms (jax
+    0.10.2). A row with NaN gives its first NaN's index, as `ops.argmax` under JAX.
     """
-    if not _jax_cpu():
+    if not _xla_cpu():
         return ops.cast(ops.argmax(x, axis=-1), "int32")
     chunks = _chunks(x)
     which = ops.cast(ops.argmax(ops.max(chunks, axis=-1), axis=-1), "int32")[:, None]
@@ -439,15 +447,14 @@ def top_k(x, k):
     """`ops.top_k(x, k)` over the last axis of `x (B, V)`: the k largest values of each row,
     largest first, and their int32 indices.
 
-    Under JAX on the CPU, exactly the same (equal values: the lower index first) in two
-    stages: each chunk of 128 positions is reduced to its maximum, the k chunks with the
-    largest maxima are taken (every one of the k largest values lies in one of them: a value
-    outside them is outranked by those k maxima) in position order, and the top k of their
-    `k * 128` values picked. XLA's CPU TopK
-    took 2.3 ms on `(64, 32000)` logits with k = 8, the two stages 0.36 ms (jax 0.10.2); a
-    beam search step at 64 rows takes one.
+    Under XLA on the CPU (`_xla_cpu`), exactly the same (equal values: the lower index
+    first) in two stages: each chunk of 128 positions is reduced to its maximum, the k chunks
+    with the largest maxima are taken (every one of the k largest values lies in one of them:
+    a value outside them is outranked by those k maxima) in position order, and the top k of
+    their `k * 128` values picked. XLA's CPU TopK took 2.3 ms on `(64, 32000)` logits with
+    k = 8, the two stages 0.36 ms (jax 0.10.2); a beam search step at 64 rows takes one.
     """
-    if not _jax_cpu() or ops.shape(x)[-1] <= k * _CHUNK:  # (one stage is enough)
+    if not _xla_cpu() or ops.shape(x)[-1] <= k * _CHUNK:  # (one stage is enough)
         values, indices = ops.top_k(x, k)
         return values, ops.cast(indices, "int32")
     chunks = _chunks(x)

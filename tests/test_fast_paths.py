@@ -45,10 +45,11 @@ def sources(batch=9, seed=1):
 
 @contextlib.contextmanager
 def plain_path(monkeypatch, model):
-    """Generation with every layer through `Layer.__call__` (no fast path), freshly compiled."""
+    """Generation with every layer through `Layer.__call__` (no fast path; under XLA on the
+    CPU, one-stage top-k and argmax), freshly compiled."""
     generation._COMPILED.pop(model, None)
     with monkeypatch.context() as patch:
-        patch.setattr(generation, "direct_calls", contextlib.nullcontext)
+        patch.setattr(generation, "direct_calls", lambda xla=False: contextlib.nullcontext())
         yield
     generation._COMPILED.pop(model, None)
 
@@ -219,9 +220,25 @@ def test_argmax_helper_takes_the_first_maximum():
                                   big.argmax(-1))
 
 
+def _as_generation_compiles(function):
+    """`function` as generation runs it: under TensorFlow, in an XLA function traced inside
+    `direct_calls(xla=True)` (as a search of 8 rows or more), where the helpers take two
+    stages on the CPU; elsewhere as it is."""
+    if keras.backend.backend() != "tensorflow":
+        return function
+    import tensorflow as tf
+
+    def traced(x):
+        with _backend.direct_calls(xla=True):
+            return function(x)
+
+    return tf.function(traced, jit_compile=True, autograph=False)
+
+
 @pytest.mark.parametrize("vocab", [1000, 32000, 1157])
 def test_top_k_helper_equals_a_full_ranking(vocab):
-    """Two stages under JAX on the CPU: the same values and indices as NumPy's stable ranking,
+    """Two stages under XLA on the CPU (JAX, and TensorFlow's XLA-compiled searches): the same
+    values and indices as NumPy's stable ranking,
     ties (in one chunk and across chunks) to the lower index, a vocabulary that is not a
     multiple of the chunk size, and rows whose best values share one chunk. (Elsewhere the helper
     is the backend's top-k; torch's orders equal values as it likes, so there the indices are
@@ -233,7 +250,8 @@ def test_top_k_helper_equals_a_full_ranking(vocab):
     x[2, -3:] = 20.0  # in the last, partly filled chunk
     x[3, :] = 1.0  # every value equal
     for k in (1, 8):
-        values, indices = _backend.top_k(ops.convert_to_tensor(x), k)
+        top_k = _as_generation_compiles(lambda t, k=k: _backend.top_k(t, k))
+        values, indices = top_k(ops.convert_to_tensor(x))
         order = np.argsort(-x, axis=-1, kind="stable")[:, :k]
         np.testing.assert_array_equal(to_np(values), np.take_along_axis(x, order, -1))
         np.testing.assert_array_equal(np.take_along_axis(x, to_np(indices), -1), to_np(values))
@@ -241,8 +259,8 @@ def test_top_k_helper_equals_a_full_ranking(vocab):
         if keras.backend.backend() != "torch":
             np.testing.assert_array_equal(to_np(indices), order)
         assert to_np(indices).dtype == np.int32
-    np.testing.assert_array_equal(to_np(_backend.argmax(ops.convert_to_tensor(x))),
-                                  x.argmax(-1))
+    argmax = _as_generation_compiles(_backend.argmax)
+    np.testing.assert_array_equal(to_np(argmax(ops.convert_to_tensor(x))), x.argmax(-1))
 
 
 def test_mixed_precision_layers_keep_keras_call(monkeypatch):

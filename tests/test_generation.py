@@ -384,20 +384,54 @@ def test_one_compilation_per_length_bucket(monkeypatch):
         assert traces == [3, 5, 8, 9, 12]
 
 
+def test_searches_of_eight_rows_or_more_compile_per_bucket(monkeypatch):
+    """From `_XLA_ROWS` rows (sources × beams) TensorFlow compiles the search with XLA, once
+    per bucketed shape, as JAX does; the tokens and scores equal those of the same sources
+    decoded in chunks of fewer rows (TensorFlow's one graph of unknown dimensions)."""
+    model = small_model()
+    src = np.concatenate([sources(5), sources(6)])  # 8 sources of length 9 (bucket 16)
+    for method, beams in (("greedy", 1), ("beam", 2)):
+        small = generate(model, src, SOS, EOS, 7, method=method, beam_size=beams,
+                         return_scores=True, batch_size=2)  # 2 or 4 rows a chunk
+        whole = generate(model, src, SOS, EOS, 7, method=method, beam_size=beams,
+                         return_scores=True)  # 8 or 16 rows
+        np.testing.assert_array_equal(whole[0], small[0])
+        np.testing.assert_allclose(whole[1], small[1], atol=1e-5)
+    generation._COMPILED.pop(model, None)
+    traces = []
+    original = generation._greedy_search
+    monkeypatch.setattr(generation, "_greedy_search",
+                        lambda parts, source, *args: traces.append(tuple(source.shape))
+                        or original(parts, source, *args))
+    for length in (3, 9, 12):  # buckets 8, 16, 16
+        generate(model, sources(length, batch=8, length=length), SOS, EOS, 4)
+    generate(model, sources(2, batch=7), SOS, EOS, 4)  # 7 rows: below the bar
+    if BACKEND == "jax":
+        assert traces == [(8, 8), (8, 16), (7, 16)]
+    elif BACKEND == "tensorflow":  # XLA per shape, then the graph of unknown dimensions
+        assert traces == [(8, 8), (8, 16), (None, None)]
+    else:  # torch runs eagerly, no padding
+        assert traces == [(8, 3), (8, 9), (8, 12), (7, 9)]
+
+
 def test_bucket_padding_and_its_limits():
     model = small_model()
     embedding = Seq2SeqParts.from_model(model).encoder_embedding
     src = sources(30, batch=3, length=9)
-    padded = generation._bucket_sources(src, (4, 16, 32), 0, embedding)
+    padded = generation._bucket_sources(src, (4, 16, 32), 0, embedding, 3)
     assert padded.shape == (3, 16)
     np.testing.assert_array_equal(padded[:, :9], src)
     assert (padded[:, 9:] == 0).all()
-    assert generation._bucket_sources(src, (4, 8), 0, embedding) is src  # longer than all
-    assert generation._bucket_sources(src, None, 0, embedding) is src
+    assert generation._bucket_sources(src, (4, 8), 0, embedding, 3) is src  # longer than all
+    assert generation._bucket_sources(src, None, 0, embedding, 3) is src
     learned = Seq2SeqParts.from_model(small_model(positional="learned", max_length=12))
-    assert generation._bucket_sources(src, (16,), 0, learned.encoder_embedding) is src
-    assert generation._bucket_sources(src, (10, 16), 0, learned.encoder_embedding).shape == (
+    assert generation._bucket_sources(src, (16,), 0, learned.encoder_embedding, 3) is src
+    assert generation._bucket_sources(src, (10, 16), 0, learned.encoder_embedding, 3).shape == (
         3, 10)
+    for rows in (3, 8):  # "auto": buckets where a search of these rows compiles per shape
+        auto = generation._bucket_sources(src, "auto", 0, embedding, rows)
+        per_shape = BACKEND == "jax" or (BACKEND == "tensorflow" and rows >= 8)
+        assert auto.shape == ((3, 16) if per_shape else (3, 9))
     for bad in ((16, 8), (0, 8), "powers", (8.0,), ()):
         with pytest.raises(ValueError, match="length_buckets.*increasing sequence"):
             generate(model, src, SOS, EOS, 3, length_buckets=bad)
