@@ -37,7 +37,7 @@ def unfused(x):
     backends and devices: the identity. (TensorFlow has no such barrier; it compiles with XLA
     only searches of 8 rows or more, where the product is no matrix-vector product.)
     """
-    if _xla_cpu() and keras.backend.backend() == "jax":
+    if keras.backend.backend() == "jax" and _xla_cpu():
         import jax
 
         return jax.lax.optimization_barrier(x)

@@ -186,7 +186,7 @@ def _beam_candidates(logits, alive_log_probs, count):
     """
     batch, k = ops.shape(alive_log_probs)
     row_logits, row_tokens = top_k(logits, count)  # (B * k, count), sorted
-    # (The row maximum is taken again, not sliced off `row_logits`: under JAX on the CPU that
+    # (The row maximum is taken again, not sliced off `row_logits`: under XLA on the CPU that
     # slice made XLA sort whole rows instead of its top-k, 11 -> 680 ms at (64, 32000).)
     row_log_probs = ops.reshape(_log_probs_at(logits, row_logits), (batch, k, count))
     candidates = ops.reshape(alive_log_probs[:, :, None] + row_log_probs, (batch, k * count))
@@ -317,12 +317,14 @@ _COMPILED = weakref.WeakKeyDictionary()
 _XLA_ROWS = 8  # TensorFlow compiles searches of at least this many rows with XLA (`_compile`)
 
 
-def _compiles_per_shape(rows):
+def _compiles_per_shape(rows, static_shapes=False):
     """Whether a search of `rows` rows (sources × beams) is compiled once per input shape:
-    always under JAX (jit), and under TensorFlow from `_XLA_ROWS` rows (XLA, see `_compile`).
-    Such searches get bucketed sources ("auto" `length_buckets`) and a filled last chunk."""
+    always under JAX (jit); under TensorFlow from `_XLA_ROWS` rows (XLA, see `_compile`), and
+    always with `static_shapes`. Such searches get a filled last chunk, and translation's
+    bucketed sources ("auto" `length_buckets`)."""
     backend = keras.backend.backend()
-    return backend == "jax" or (backend == "tensorflow" and rows >= _XLA_ROWS)
+    return backend == "jax" or (backend == "tensorflow"
+                                 and (static_shapes or rows >= _XLA_ROWS))
 
 
 def _compile(model, search, static_shapes=False, beams=1):
@@ -332,11 +334,12 @@ def _compile(model, search, static_shapes=False, beams=1):
     passed in (a StatelessScope), so later weight updates are seen without recompiling;
     TensorFlow traces a tf.function without AutoGraph (variables are read live); PyTorch runs
     eagerly without autograd, with glibc asked to keep freed memory (`keep_freed_memory`).
-    JAX retraces for each new input shape. TensorFlow compiles a search of `_XLA_ROWS` rows
-    or more (sources × `beams`) with XLA, once per input shape; a smaller one runs one graph
-    traced once with every dimension unknown, which serves every shape (or, with
-    `static_shapes`, a search whose cache size depends on an input's shape, one graph per
-    shape, without XLA). Measured on a 2-core AMD EPYC (opus-mt-base, 32 new tokens), XLA
+    JAX retraces for each new input shape. TensorFlow with `static_shapes` (a search whose
+    cache size depends on an input's shape) traces one graph per shape, never with XLA;
+    otherwise it compiles a search of `_XLA_ROWS` rows or more (sources × `beams`) with XLA,
+    once per input shape (on any device; measured on the CPU), and runs a smaller one as one
+    graph traced once with every dimension unknown, which serves every such shape. Measured on
+    a 2-core AMD EPYC (opus-mt-base, 32 new tokens), XLA
     against the graph: 16 rows 1.63 → 0.88 s, beam 16 × 4 3.09 → 2.2 s, 64 rows 3.6 → 2.2 s,
     but one row 0.74 → 0.96 s (XLA's CPU matrix-vector product fused with the logits' bias,
     see `_backend.unfused`), and a first call (trace and compile) 2-3 s longer. Layers run
@@ -629,7 +632,7 @@ def _run_in_chunks(model, key, search, inputs, batch_size, verbose, pad_id, retu
     for n, start in enumerate(starts):
         part = [x[start:start + chunk] for x in inputs]
         rows = len(part[0])
-        if rows < chunk and n > 0 and _compiles_per_shape(chunk * beams):
+        if rows < chunk and n > 0 and _compiles_per_shape(chunk * beams, static_shapes):
             # A shorter last chunk would compile the search again (~1-1.5 s for opus-mt-base,
             # against ~0.5 s to decode 16 rows): filled up with copies of its first row, whose
             # results are dropped (rows never interact).

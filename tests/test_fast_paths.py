@@ -45,8 +45,8 @@ def sources(batch=9, seed=1):
 
 @contextlib.contextmanager
 def plain_path(monkeypatch, model):
-    """Generation with every layer through `Layer.__call__` (no fast path; under XLA on the
-    CPU, one-stage top-k and argmax), freshly compiled."""
+    """Generation with every layer through `Layer.__call__` (no fast path; under
+    TensorFlow's XLA, one-stage top-k and argmax), freshly compiled."""
     generation._COMPILED.pop(model, None)
     with monkeypatch.context() as patch:
         patch.setattr(generation, "direct_calls", lambda xla=False: contextlib.nullcontext())
@@ -230,6 +230,7 @@ def _as_generation_compiles(function):
 
     def traced(x):
         with _backend.direct_calls(xla=True):
+            assert _backend._xla_cpu() == (not tf.config.list_logical_devices("GPU"))
             return function(x)
 
     return tf.function(traced, jit_compile=True, autograph=False)

@@ -51,6 +51,31 @@ def test_cached_generation_equals_full_recomputation_and_each_prompt_alone(posit
         np.testing.assert_array_equal(generate(lm, [prompt], max_length=6, end_id=None)[0], row)
 
 
+def test_chunks_with_a_short_last_one_equal_one_batch(monkeypatch):
+    """`batch_size` chunks (2 + 2 + 1 prompts) decode what one batch does; where the search is
+    compiled per shape (JAX, TensorFlow's graph per shape) the last chunk is filled up and
+    nothing is traced again; the sampled draws are each row's own."""
+    from keras_tfm import generation
+
+    lm = small_lm()
+    prompts = PROMPTS + [[6, 6, 6, 6], [9]]
+    for options in (dict(), dict(method="sample", top_k=5, seed=7)):
+        whole = generate(lm, prompts, max_length=5, end_id=None, return_scores=True,
+                         **options)
+        generation._COMPILED.pop(lm, None)
+        traces = []
+        original = generation._language_model_search
+        monkeypatch.setattr(generation, "_language_model_search",
+                            lambda parts, prompts, *args: traces.append(prompts.shape[0])
+                            or original(parts, prompts, *args))
+        chunked = generate(lm, prompts, max_length=5, end_id=None, return_scores=True,
+                           batch_size=2, **options)
+        monkeypatch.setattr(generation, "_language_model_search", original)
+        np.testing.assert_array_equal(chunked[0], whole[0])
+        np.testing.assert_allclose(chunked[1], whole[1], atol=1e-5)
+        assert traces == ([2, 2, 1] if keras.backend.backend() == "torch" else [2])
+
+
 def test_end_id_stops_each_row_and_scores_are_log_probabilities():
     lm = small_lm()
     tokens, scores = generate(lm, PROMPTS, max_length=8, end_id="auto", return_scores=True)
