@@ -53,6 +53,19 @@ def jit_options():
     return {"jit_compile": BACKEND in ("jax", "tensorflow")}
 
 
+def record_traces(monkeypatch, search, shape_of=lambda shape: shape):
+    """Patch `keras_tfm.generation.<search>` (a search function, whose second argument is its
+    source or prompt tensor) to note `shape_of(tuple(that tensor's shape))` each time it runs:
+    under JAX and TensorFlow, once per trace. Returns the list of notes."""
+    from keras_tfm import generation
+
+    traces = []
+    original = getattr(generation, search)
+    monkeypatch.setattr(generation, search, lambda parts, tokens, *args: traces.append(
+        shape_of(tuple(tokens.shape))) or original(parts, tokens, *args))
+    return traces
+
+
 def assert_config_round_trip(layer):
     config = layer.get_config()
     clone = layer.__class__.from_config(config)

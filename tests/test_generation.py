@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from keras import ops
 
-from helpers import BACKEND, to_np
+from helpers import BACKEND, record_traces, to_np
 from keras_tfm import build_transformer, generate
 from keras_tfm import generation
 from keras_tfm.generation import Seq2SeqParts
@@ -214,11 +214,7 @@ def test_a_short_last_chunk_compiles_nothing_new(monkeypatch):
     whole, whole_scores = generate(model, src, SOS, EOS, 6, method="beam", beam_size=2,
                                    return_scores=True)
     generation._COMPILED.pop(model, None)
-    traces = []
-    original = generation._beam_search
-    monkeypatch.setattr(generation, "_beam_search",
-                        lambda parts, source, *args: traces.append(source.shape[0])
-                        or original(parts, source, *args))
+    traces = record_traces(monkeypatch, "_beam_search", lambda shape: shape[0])
     chunked, scores = generate(model, src, SOS, EOS, 6, method="beam", beam_size=2,
                                return_scores=True, batch_size=4)  # 4 + 3 sources
     assert chunked.shape[0] == scores.shape[0] == 7
@@ -368,11 +364,7 @@ def test_length_buckets_pad_the_sources_without_changing_tokens(method):
 
 def test_one_compilation_per_length_bucket(monkeypatch):
     model = small_model()
-    traces = []
-    original = generation._greedy_search
-    monkeypatch.setattr(generation, "_greedy_search",
-                        lambda parts, source, *args: traces.append(source.shape[1])
-                        or original(parts, source, *args))
+    traces = record_traces(monkeypatch, "_greedy_search", lambda shape: shape[1])
     for length in (3, 5, 8, 9, 12):  # buckets 8, 8, 8, 16, 16
         generate(model, sources(length, batch=3, length=length), SOS, EOS, 4)
     if BACKEND == "jax":
@@ -397,11 +389,7 @@ def test_searches_of_eight_rows_or_more_compile_per_bucket(monkeypatch):
         np.testing.assert_array_equal(whole[0], small[0])
         np.testing.assert_allclose(whole[1], small[1], atol=1e-5)
     generation._COMPILED.pop(model, None)
-    traces = []
-    original = generation._greedy_search
-    monkeypatch.setattr(generation, "_greedy_search",
-                        lambda parts, source, *args: traces.append(tuple(source.shape))
-                        or original(parts, source, *args))
+    traces = record_traces(monkeypatch, "_greedy_search")
     for length in (3, 9, 12):  # buckets 8, 16, 16
         generate(model, sources(length, batch=8, length=length), SOS, EOS, 4)
     generate(model, sources(2, batch=7), SOS, EOS, 4)  # 7 rows: below the bar

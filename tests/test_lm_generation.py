@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import llama_and_language_model, to_np
+from helpers import llama_and_language_model, record_traces, to_np
 from keras_tfm import build_language_model, build_transformer, generate
 
 VOCAB, PAD, END = 40, 0, 2
@@ -63,14 +63,10 @@ def test_chunks_with_a_short_last_one_equal_one_batch(monkeypatch):
         whole = generate(lm, prompts, max_length=5, end_id=None, return_scores=True,
                          **options)
         generation._COMPILED.pop(lm, None)
-        traces = []
-        original = generation._language_model_search
-        monkeypatch.setattr(generation, "_language_model_search",
-                            lambda parts, prompts, *args: traces.append(prompts.shape[0])
-                            or original(parts, prompts, *args))
-        chunked = generate(lm, prompts, max_length=5, end_id=None, return_scores=True,
-                           batch_size=2, **options)
-        monkeypatch.setattr(generation, "_language_model_search", original)
+        with monkeypatch.context() as patch:
+            traces = record_traces(patch, "_language_model_search", lambda shape: shape[0])
+            chunked = generate(lm, prompts, max_length=5, end_id=None, return_scores=True,
+                               batch_size=2, **options)
         np.testing.assert_array_equal(chunked[0], whole[0])
         np.testing.assert_allclose(chunked[1], whole[1], atol=1e-5)
         assert traces == ([2, 2, 1] if keras.backend.backend() == "torch" else [2])
