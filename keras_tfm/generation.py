@@ -339,12 +339,11 @@ def _compile(model, search, static_shapes=False, beams=1):
     otherwise it compiles a search of `_XLA_ROWS` rows or more (sources × `beams`) with XLA,
     once per input shape (on any device; measured on the CPU), and runs a smaller one as one
     graph traced once with every dimension unknown, which serves every such shape. Measured on
-    a 2-core AMD EPYC (opus-mt-base, 32 new tokens), XLA
-    against the graph: 16 rows 1.63 → 0.88 s, beam 16 × 4 3.09 → 2.2 s, 64 rows 3.6 → 2.2 s,
-    but one row 0.74 → 0.96 s (XLA's CPU matrix-vector product fused with the logits' bias,
-    see `_backend.unfused`), and a first call (trace and compile) 2-3 s longer. Layers run
-    their `call` directly (`direct_calls`: eager PyTorch would otherwise pay Keras's `__call__`
-    at every step).
+    a 2-core AMD EPYC (opus-mt-base, 32 new tokens), XLA against the graph: 16 rows 1.63 →
+    0.88 s, beam 16 × 4 3.09 → 2.2 s, 64 rows 3.6 → 2.2 s, but one row 0.74 → 0.96 s (XLA's
+    CPU matrix-vector product fused with the logits' bias, see `_backend.unfused`), and a
+    first call (trace and compile) 2-3 s longer. Layers run their `call` directly
+    (`direct_calls`: eager PyTorch would otherwise pay Keras's `__call__` at every step).
     """
     backend = keras.backend.backend()
 
@@ -370,20 +369,21 @@ def _compile(model, search, static_shapes=False, beams=1):
         # every function it calls made the first call 4.9 s instead of 1.9 (opus-mt-base).
         if static_shapes:
             return tf.function(direct, autograph=False)
-        graphs = {}
+        def traced(xla, inputs):
+            if xla:  # no input signature: one trace (and XLA compilation) per input shape
+                return tf.function(lambda *x: direct(*x, xla=True), autograph=False,
+                                   jit_compile=True)
+            # one graph of unknown dimensions, traced at the first call
+            return tf.function(direct, autograph=False, input_signature=[
+                tf.TensorSpec([None] * len(x.shape), tf.as_dtype(x.dtype)) for x in inputs])
+
+        functions = {}  # with XLA or not -> its tf.function
 
         def run(*inputs):
             xla = _compiles_per_shape(inputs[0].shape[0] * beams)
-            if xla not in graphs:
-                graphs[xla] = (
-                    # (no input signature: a trace per input shape)
-                    tf.function(lambda *x: direct(*x, xla=True), autograph=False,
-                                jit_compile=True) if xla else
-                    # one graph of unknown dimensions, traced at the first call
-                    tf.function(direct, autograph=False, input_signature=[
-                        tf.TensorSpec([None] * len(x.shape), tf.as_dtype(x.dtype))
-                        for x in inputs]))
-            return graphs[xla](*inputs)
+            if xla not in functions:
+                functions[xla] = traced(xla, inputs)
+            return functions[xla](*inputs)
 
         return run
     if backend == "torch":
