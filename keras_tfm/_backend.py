@@ -84,8 +84,9 @@ def call_layer(layer, *args, **kwargs):
     `direct_calls()` a built layer's `call` (`quantized_call` when quantized) runs directly. A
     layer whose variables have another dtype than its computations (mixed precision) still
     goes through `__call__`, which casts its variables. Under PyTorch a `Dense`,
-    `EinsumDense`, `LayerNormalization` or reversed `ReversibleEmbedding` layer runs as torch
-    calls alone (`_torch_plan`). Under JAX and TensorFlow this only shortens tracing.
+    `EinsumDense`, `LayerNormalization` or reversed `ReversibleEmbedding` layer, and an
+    attention layer's decoding step, run as torch calls alone (`_torch_plan`). Under JAX and
+    TensorFlow this only shortens tracing.
     """
     plans = getattr(_DIRECT, "plans", None)
     if plans is None:
@@ -118,16 +119,23 @@ def dot_product_attention(query, key, value, mask, scale, heads_first=False):
     they are.
     """
     if keras.backend.backend() == "torch":
-        import torch
-
         query, key, value = (ops.convert_to_tensor(x) for x in (query, key, value))
         mask = None if mask is None else ops.convert_to_tensor(mask, "bool")
         if not heads_first:
             key, value = key.transpose(1, 2), value.transpose(1, 2)
-        output = torch.nn.functional.scaled_dot_product_attention(
-            query.transpose(1, 2), key, value, attn_mask=mask, scale=scale)
-        return output.transpose(1, 2)
+        return _torch_attention(query, key, value, mask, scale)
     return ops.dot_product_attention(query, key, value, mask=mask, scale=scale)
+
+
+def _torch_attention(query, key, value, mask, scale, groups=1):
+    """torch's `scaled_dot_product_attention` of torch queries `(B, T, H, d)` over keys and
+    values `(B, H / groups, S, d)` (`groups` query heads per key/value head, as `ops.repeat`
+    along the heads would give them); the output `(B, T, H, d)`."""
+    import torch
+
+    output = torch.nn.functional.scaled_dot_product_attention(
+        query.transpose(1, 2), key, value, attn_mask=mask, scale=scale, enable_gqa=groups > 1)
+    return output.transpose(1, 2)
 
 
 def fuses_heads_first():
@@ -251,10 +259,14 @@ def _torch_plan(layer):
       product by `_torch_product` (oneDNN's kernel where it applies);
     * `ReversibleEmbedding(reverse=True)` (the logits projection) the same way;
     * `LayerNormalization` over the last axis: one `torch.nn.functional.layer_norm`, the
-      kernel Keras's `ops.layer_normalization` calls, in float32 at least as Keras computes.
+      kernel Keras's `ops.layer_normalization` calls, in float32 at least as Keras computes;
+    * `MultiHeadSelfAttention` and `CrossAttention`: a decoding step (one query over the
+      caches) without the Keras ops between the projections and the attention.
     Variables are read as torch tensors once per `direct_calls()` scope (in-place updates are
     seen); the products of a layer off the CPU, where they were measured, keep `call`.
     """
+    from keras_tfm.attention import CrossAttention, MultiHeadSelfAttention
+
     kind = type(layer)
     if kind in (keras.layers.Dense, keras.layers.EinsumDense):
         return _torch_linear_plan(layer)
@@ -262,6 +274,10 @@ def _torch_plan(layer):
         return _torch_reverse_plan(layer)
     if kind is keras.layers.LayerNormalization:
         return _torch_layer_norm_plan(layer)
+    if kind is MultiHeadSelfAttention:
+        return _torch_self_attention_plan(layer)
+    if kind is CrossAttention:
+        return _torch_cross_attention_plan(layer)
     return None
 
 
@@ -319,6 +335,78 @@ def _torch_layer_norm_plan(layer):
             inputs.to(dtype), inputs.shape[-1:], None if gamma is None else gamma.to(dtype),
             None if beta is None else beta.to(dtype), epsilon)
         return output.to(inputs.dtype)
+
+    return run
+
+
+def _attention_dropout_active(layer, training):
+    return bool(training) and layer.dropout > 0
+
+
+def _torch_self_attention_plan(layer):
+    """A decoding step of a causal `MultiHeadSelfAttention` with a cache: one query, no
+    `attention_mask`, no weights returned, no active dropout (anything else: `call`). The
+    step's keys and values are written into the cache in place, and the query attends to its
+    filled positions, all of which it sees, by `_torch_attention`; the projections (and
+    rotary positions) go through `call_layer`. The same steps as `call` without the Keras ops
+    between them: at one row of opus-mt-base's shape, 0.55 → 0.26 ms a call."""
+    if not layer.causal or layer._value_dim != layer._key_dim:
+        return None
+    scale, groups = 1.0 / math.sqrt(layer._key_dim), layer.num_heads // layer._kv_heads
+
+    def run(inputs, attention_mask=None, training=None, return_attention_scores=False,
+            cache=None, cache_update_index=None, mask=None):
+        if (cache is None or cache_update_index is None or attention_mask is not None
+                or return_attention_scores or inputs.shape[1] != 1
+                or _attention_dropout_active(layer, training)):
+            return layer.call(inputs, attention_mask=attention_mask, training=training,
+                              return_attention_scores=return_attention_scores, cache=cache,
+                              cache_update_index=cache_update_index, mask=mask)
+        index = int(cache_update_index)
+        keys, values = layer._project_context(inputs, start_index=cache_update_index)
+        cache[:, 0, :, index] = keys[:, 0]  # (B, H, d) each
+        cache[:, 1, :, index] = values[:, 0]
+        queries = layer._rotate(call_layer(layer.query_dense, inputs), cache_update_index)
+        filled = cache.narrow(_POSITIONS, 0, index + 1)
+        output = _torch_attention(queries, filled[:, 0], filled[:, 1], None, scale, groups)
+        return call_layer(layer.output_dense, output), cache
+
+    return run
+
+
+def _torch_cross_attention_plan(layer):
+    """A decoding step of `CrossAttention` over a `context_cache`: no `attention_mask`, no
+    weights returned, no active dropout (anything else: `call`). The padding mask is prepared
+    once per `context_mask` tensor (a search passes the same one at every step) by the
+    attention module's own rules, and the rows of sources with no key are zeroed only when
+    there are any; the attention runs by `_torch_attention`, the projections through
+    `call_layer`. At one row of opus-mt-base's shape, 0.41 → 0.14 ms a call."""
+    from keras_tfm import masks as masks_lib
+    from keras_tfm.attention import open_empty_rows, zero_empty_rows
+
+    scale, groups = 1.0 / math.sqrt(layer._key_dim), layer.num_heads // layer._kv_heads
+    prepared = [None, None, None]  # the context mask, its attention mask, rows to zero (or None)
+
+    def run(query, context=None, attention_mask=None, training=None,
+            return_attention_scores=False, context_cache=None, query_mask=None,
+            context_mask=None):
+        if (context_cache is None or attention_mask is not None or return_attention_scores
+                or _attention_dropout_active(layer, training)):
+            return layer.call(query, context, attention_mask=attention_mask, training=training,
+                              return_attention_scores=return_attention_scores,
+                              context_cache=context_cache, query_mask=query_mask,
+                              context_mask=context_mask)
+        keys, values = context_cache[:, 0], context_cache[:, 1]  # (B, H, S, d)
+        if prepared[0] is not context_mask or context_mask is None:
+            merged = masks_lib.merge_masks(query, keys[:, 0], key_padding_mask=context_mask)
+            mask, row_has_key = (None, None) if merged is None else open_empty_rows(merged)
+            empty = row_has_key is not None and not bool(row_has_key.all())
+            prepared[:] = context_mask, mask, row_has_key if empty else None
+        queries = call_layer(layer.query_dense, query)
+        output = _torch_attention(queries, keys, values, prepared[1], scale, groups)
+        if prepared[2] is not None:
+            output = zero_empty_rows(output, prepared[2])
+        return call_layer(layer.output_dense, output)
 
     return run
 

@@ -61,11 +61,7 @@ def scaled_dot_product_attention(
     scale = 1.0 / math.sqrt(query.shape[-1])
     row_has_key = None
     if mask is not None:
-        row_has_key = ops.any(mask, axis=-1)  # (B, T)
-        # A row with no allowed key attends everywhere (finite on every backend and every
-        # path, gradients included); its output is zeroed below.
-        mask = ops.logical_or(mask, ops.logical_not(row_has_key)[..., None])
-        mask = mask[:, None]  # (B, 1, T, S): broadcast over heads
+        mask, row_has_key = open_empty_rows(mask)
     dropout_active = dropout is not None and bool(training) and getattr(dropout, "rate", 1.0) > 0
     # keras.ops.dot_product_attention needs values as wide as the keys (d_v == d_k).
     use_fused = (fused is not False and not return_weights and not dropout_active
@@ -75,7 +71,7 @@ def scaled_dot_product_attention(
     if use_fused:
         output = dot_product_attention(query, key, value, mask, scale, heads_first)
         if row_has_key is not None:  # (the explicit path zeroes these rows' weights instead)
-            output = ops.where(row_has_key[:, :, None, None], output, ops.zeros_like(output))
+            output = zero_empty_rows(output, row_has_key)
     else:
         keys = "bhsd" if heads_first else "bshd"
         if heads_first and _half(key.dtype):
@@ -96,6 +92,22 @@ def scaled_dot_product_attention(
     if return_weights:
         return output, weights
     return output
+
+
+def open_empty_rows(mask):
+    """`(mask (B, 1, T, S), row_has_key (B, T))` of a checked mask `(B, T, S)`: a query row
+    whose mask allows no key attends everywhere instead (finite on every backend and every
+    path, gradients included), and `row_has_key` says which rows must be zeroed afterwards
+    (`zero_empty_rows`; the explicit path zeroes their weights). The new axis broadcasts over
+    heads."""
+    row_has_key = ops.any(mask, axis=-1)
+    mask = ops.logical_or(mask, ops.logical_not(row_has_key)[..., None])
+    return mask[:, None], row_has_key
+
+
+def zero_empty_rows(output, row_has_key):
+    """`output (B, T, H, d)` with the rows of the queries that see no key set to zeros."""
+    return ops.where(row_has_key[:, :, None, None], output, ops.zeros_like(output))
 
 
 def _half(dtype):

@@ -16,7 +16,8 @@ import pytest
 from keras import ops
 
 from helpers import BACKEND, np_softmax, to_np
-from keras_tfm import MultiHeadSelfAttention, build_language_model, build_transformer, generate
+from keras_tfm import (CrossAttention, MultiHeadSelfAttention, build_language_model,
+                       build_transformer, generate)
 from keras_tfm import _backend, generation
 
 
@@ -176,6 +177,72 @@ def test_direct_layer_calls_equal_keras_calls(rows):
                                    atol=atol, err_msg=layer.name)
         if BACKEND == "torch":  # (oneDNN is in torch's CPU builds; without it, no packing)
             assert (layer in _backend._PACKED) == (packed and _backend._one_dnn()), layer.name
+
+
+def _attention_layers():
+    """(name, layer) of each attention layer a decoding step calls: cached causal
+    self-attention (plain; grouped-query with rotary positions) and cross-attention over a
+    context cache (with a padding mask; one key/value head and no mask)."""
+    return [
+        ("self", MultiHeadSelfAttention(num_heads=4, causal=True)),
+        ("self, gqa, rotary", MultiHeadSelfAttention(num_heads=4, causal=True,
+                                                     num_key_value_heads=2, rotary=True)),
+        ("cross, padding", CrossAttention(num_heads=4)),
+        ("cross, no mask", CrossAttention(num_heads=4, num_key_value_heads=1)),
+    ]
+
+
+@pytest.mark.parametrize("rows", [1, 5])
+def test_direct_attention_steps_equal_keras_calls(rows):
+    """Inside `direct_calls()` (generation's setting) a decoding step of each attention layer
+    gives its Keras `__call__` output, and the self-attention its updated cache. Under PyTorch
+    each runs as a plan of torch calls (`_torch_self_attention_plan`,
+    `_torch_cross_attention_plan`); a padding mask with a fully padded source row gives that
+    row zeros on both paths; a call the plans do not cover (several queries) takes `call`."""
+    rng = np.random.default_rng(rows)
+    context = ops.convert_to_tensor(rng.normal(size=(rows, 6, 16)), "float32")
+    pad = np.ones((rows, 6), bool)
+    pad[0, 4:] = False
+    pad[-1, :] = False  # a source of padding alone (the only row when rows == 1)
+    for name, layer in _attention_layers():
+        x = ops.convert_to_tensor(rng.normal(size=(rows, 1, 16)), "float32")
+        if name.startswith("self"):
+            layer(x)
+            kwargs = dict(cache=ops.convert_to_tensor(
+                rng.normal(size=(rows, 2, layer._kv_heads, 5, 4)), "float32"),
+                cache_update_index=ops.convert_to_tensor(3, "int32"))
+        else:
+            layer(x, context)
+            mask = ops.convert_to_tensor(pad) if name.endswith("padding") else None
+            kwargs = dict(context_cache=layer.compute_context_cache(context), context_mask=mask)
+        for weight in layer.weights:
+            weight.assign(rng.normal(0.0, 0.5, weight.shape).astype("float32"))
+        cases = [(x, kwargs)]
+        if name.startswith("self"):  # three queries (a prompt's prefill): `call`
+            cases.append((ops.tile(x, (1, 3, 1)), dict(kwargs, cache_update_index=1)))
+        for inputs, case in cases:
+            expected = layer(inputs, **case)
+            with _backend.direct_calls(), _generation_grad_mode():
+                got = _backend.call_layer(layer, inputs, **_copied(case))
+                if BACKEND == "torch":
+                    assert _backend._plan(layer) != layer.call, name
+            for g, e in zip(_flat(got), _flat(expected)):
+                np.testing.assert_allclose(to_np(g), to_np(e), atol=1e-5, err_msg=name)
+        if name == "cross, padding":  # the padded source's attention: zeros, then the bias
+            bias = to_np(layer.output_dense.bias)
+            np.testing.assert_allclose(to_np(expected)[-1, 0], bias, atol=1e-6)
+            assert rows == 1 or np.abs(to_np(expected)[0, 0] - bias).max() > 0.1
+
+
+def _copied(kwargs):
+    """The call arguments with a copy of the cache (the direct path writes it in place)."""
+    if "cache" not in kwargs:
+        return kwargs
+    return dict(kwargs, cache=ops.convert_to_tensor(to_np(kwargs["cache"])))
+
+
+def _flat(result):
+    return result if isinstance(result, (tuple, list)) else [result]
 
 
 def test_products_with_autograd_on_stay_differentiable():
