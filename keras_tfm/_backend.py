@@ -133,8 +133,9 @@ def _torch_attention(query, key, value, mask, scale, groups=1):
     along the heads would give them); the output `(B, T, H, d)`."""
     import torch
 
+    grouped = {"enable_gqa": True} if groups > 1 else {}  # (an argument since torch 2.5)
     output = torch.nn.functional.scaled_dot_product_attention(
-        query.transpose(1, 2), key, value, attn_mask=mask, scale=scale, enable_gqa=groups > 1)
+        query.transpose(1, 2), key, value, attn_mask=mask, scale=scale, **grouped)
     return output.transpose(1, 2)
 
 
@@ -377,15 +378,16 @@ def _torch_self_attention_plan(layer):
 def _torch_cross_attention_plan(layer):
     """A decoding step of `CrossAttention` over a `context_cache`: no `attention_mask`, no
     weights returned, no active dropout (anything else: `call`). The padding mask is prepared
-    once per `context_mask` tensor (a search passes the same one at every step) by the
-    attention module's own rules, and the rows of sources with no key are zeroed only when
-    there are any; the attention runs by `_torch_attention`, the projections through
-    `call_layer`. At one row of opus-mt-base's shape, 0.41 → 0.14 ms a call."""
+    by the attention module's own rules once per `context_mask` tensor, cache shape and
+    in-place version of the mask (a search passes the same ones at every step), and the rows
+    of sources with no key are zeroed only when there are any; the attention runs by
+    `_torch_attention`, the projections through `call_layer`. At one row of opus-mt-base's
+    shape, 0.41 → 0.14 ms a call."""
     from keras_tfm import masks as masks_lib
     from keras_tfm.attention import open_empty_rows, zero_empty_rows
 
     scale, groups = 1.0 / math.sqrt(layer._key_dim), layer.num_heads // layer._kv_heads
-    prepared = [None, None, None]  # the context mask, its attention mask, rows to zero (or None)
+    prepared = [None, None, None, None]  # the context mask, its key, attention mask, rows to zero
 
     def run(query, context=None, attention_mask=None, training=None,
             return_attention_scores=False, context_cache=None, query_mask=None,
@@ -397,15 +399,16 @@ def _torch_cross_attention_plan(layer):
                               context_cache=context_cache, query_mask=query_mask,
                               context_mask=context_mask)
         keys, values = context_cache[:, 0], context_cache[:, 1]  # (B, H, S, d)
-        if prepared[0] is not context_mask or context_mask is None:
+        key = (tuple(context_cache.shape), getattr(context_mask, "_version", None))
+        if context_mask is None or prepared[0] is not context_mask or prepared[1] != key:
             merged = masks_lib.merge_masks(query, keys[:, 0], key_padding_mask=context_mask)
             mask, row_has_key = (None, None) if merged is None else open_empty_rows(merged)
             empty = row_has_key is not None and not bool(row_has_key.all())
-            prepared[:] = context_mask, mask, row_has_key if empty else None
+            prepared[:] = context_mask, key, mask, row_has_key if empty else None
         queries = call_layer(layer.query_dense, query)
-        output = _torch_attention(queries, keys, values, prepared[1], scale, groups)
-        if prepared[2] is not None:
-            output = zero_empty_rows(output, prepared[2])
+        output = _torch_attention(queries, keys, values, prepared[2], scale, groups)
+        if prepared[3] is not None:
+            output = zero_empty_rows(output, prepared[3])
         return call_layer(layer.output_dense, output)
 
     return run

@@ -182,56 +182,74 @@ def test_direct_layer_calls_equal_keras_calls(rows):
 def _attention_layers():
     """(name, layer) of each attention layer a decoding step calls: cached causal
     self-attention (plain; grouped-query with rotary positions) and cross-attention over a
-    context cache (with a padding mask; one key/value head and no mask)."""
+    context cache (grouped-query with a padding mask; one key/value head and no mask)."""
     return [
         ("self", MultiHeadSelfAttention(num_heads=4, causal=True)),
         ("self, gqa, rotary", MultiHeadSelfAttention(num_heads=4, causal=True,
                                                      num_key_value_heads=2, rotary=True)),
-        ("cross, padding", CrossAttention(num_heads=4)),
-        ("cross, no mask", CrossAttention(num_heads=4, num_key_value_heads=1)),
+        ("cross, padding, gqa", CrossAttention(num_heads=4, num_key_value_heads=2)),
+        ("cross, no mask, mqa", CrossAttention(num_heads=4, num_key_value_heads=1)),
     ]
 
 
+def _not_called(*args, **kwargs):
+    raise AssertionError("the layer's `call` ran instead of its torch plan")
+
+
 @pytest.mark.parametrize("rows", [1, 5])
-def test_direct_attention_steps_equal_keras_calls(rows):
-    """Inside `direct_calls()` (generation's setting) a decoding step of each attention layer
-    gives its Keras `__call__` output, and the self-attention its updated cache. Under PyTorch
-    each runs as a plan of torch calls (`_torch_self_attention_plan`,
-    `_torch_cross_attention_plan`); a padding mask with a fully padded source row gives that
-    row zeros on both paths; a call the plans do not cover (several queries) takes `call`."""
+def test_direct_attention_steps_equal_keras_calls(monkeypatch, rows):
+    """Inside `direct_calls()` (generation's setting) decoding steps of each attention layer
+    give its Keras `__call__` outputs, and the self-attention its updated cache. Under
+    PyTorch a one-query step runs as torch calls alone (`_torch_self_attention_plan`,
+    `_torch_cross_attention_plan`: the layer's `call` is not reached); the cross-attention
+    plan prepares a padding mask once, and again for another mask; a source of padding alone
+    gives its row zeros (then the output bias) on both paths; several queries (a prompt's
+    prefill) take `call`."""
     rng = np.random.default_rng(rows)
     context = ops.convert_to_tensor(rng.normal(size=(rows, 6, 16)), "float32")
     pad = np.ones((rows, 6), bool)
     pad[0, 4:] = False
-    pad[-1, :] = False  # a source of padding alone (the only row when rows == 1)
+    if rows > 1:
+        pad[-1, :] = False  # a source of padding alone
+    other = np.ones((rows, 6), bool)
+    other[:, 2:] = False  # another padding: other outputs
     for name, layer in _attention_layers():
         x = ops.convert_to_tensor(rng.normal(size=(rows, 1, 16)), "float32")
-        if name.startswith("self"):
-            layer(x)
-            kwargs = dict(cache=ops.convert_to_tensor(
-                rng.normal(size=(rows, 2, layer._kv_heads, 5, 4)), "float32"),
-                cache_update_index=ops.convert_to_tensor(3, "int32"))
-        else:
-            layer(x, context)
-            mask = ops.convert_to_tensor(pad) if name.endswith("padding") else None
-            kwargs = dict(context_cache=layer.compute_context_cache(context), context_mask=mask)
+        layer(x) if name.startswith("self") else layer(x, context)
         for weight in layer.weights:
             weight.assign(rng.normal(0.0, 0.5, weight.shape).astype("float32"))
-        cases = [(x, kwargs)]
+        if name.startswith("self"):
+            cache = ops.convert_to_tensor(rng.normal(size=(rows, 2, layer._kv_heads, 5, 4)),
+                                          "float32")
+            steps = [dict(cache=cache, cache_update_index=ops.convert_to_tensor(i, "int32"))
+                     for i in (3, 4)]
+        else:
+            cached = layer.compute_context_cache(context)
+            masks = ([ops.convert_to_tensor(m) for m in (pad, pad, other)]
+                     if "padding" in name else [None, None])
+            steps = [dict(context_cache=cached, context_mask=m) for m in masks]
+        expected = [layer(x, **step) for step in steps]
+        with _backend.direct_calls(), _generation_grad_mode(), monkeypatch.context() as patch:
+            if BACKEND == "torch":
+                patch.setattr(layer, "call", _not_called)
+            got = [_backend.call_layer(layer, x, **_copied(step)) for step in steps]
         if name.startswith("self"):  # three queries (a prompt's prefill): `call`
-            cases.append((ops.tile(x, (1, 3, 1)), dict(kwargs, cache_update_index=1)))
-        for inputs, case in cases:
-            expected = layer(inputs, **case)
+            prefill = dict(steps[0], cache_update_index=1)
+            expected.append(layer(ops.tile(x, (1, 3, 1)), **prefill))
             with _backend.direct_calls(), _generation_grad_mode():
-                got = _backend.call_layer(layer, inputs, **_copied(case))
-                if BACKEND == "torch":
-                    assert _backend._plan(layer) != layer.call, name
-            for g, e in zip(_flat(got), _flat(expected)):
-                np.testing.assert_allclose(to_np(g), to_np(e), atol=1e-5, err_msg=name)
-        if name == "cross, padding":  # the padded source's attention: zeros, then the bias
-            bias = to_np(layer.output_dense.bias)
-            np.testing.assert_allclose(to_np(expected)[-1, 0], bias, atol=1e-6)
-            assert rows == 1 or np.abs(to_np(expected)[0, 0] - bias).max() > 0.1
+                got.append(_backend.call_layer(layer, ops.tile(x, (1, 3, 1)),
+                                               **_copied(prefill)))
+        for g, e in zip(got, expected):
+            assert len(_flat(g)) == len(_flat(e)), name
+            for g_part, e_part in zip(_flat(g), _flat(e)):
+                np.testing.assert_allclose(to_np(g_part), to_np(e_part), atol=1e-5,
+                                           err_msg=name)
+        if "padding" in name:
+            assert np.abs(to_np(expected[0]) - to_np(expected[2])).max() > 0.1
+            if rows > 1:  # the padded source's attention: zeros, then the bias
+                bias = to_np(layer.output_dense.bias)
+                np.testing.assert_allclose(to_np(expected[0])[-1, 0], bias, atol=1e-6)
+                assert np.abs(to_np(expected[0])[0, 0] - bias).max() > 0.1
 
 
 def _copied(kwargs):
