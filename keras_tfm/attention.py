@@ -11,7 +11,8 @@ from keras import ops
 
 from keras_tfm import masks as masks_lib
 from keras_tfm._backend import (attends_filled_only, call_layer, dot_product_attention,
-                                filled_part, fuses_heads_first, update_cache)
+                                filled_part, fuses_heads_first, keys_lead_one_query,
+                                update_cache)
 from keras_tfm._checks import clone_initializer
 from keras_tfm._checks import check_dropout, check_key_value_heads, check_positive_int
 from keras_tfm._checks import check_rank, check_same_batch, with_quantized_dtypes
@@ -79,7 +80,11 @@ def scaled_dot_product_attention(
             # accumulates them (bfloat16 scores doubled the error of a step against float32).
             # A half-precision cache's keys are read as float32 (a copy a step).
             query, key = ops.cast(query, "float32"), ops.cast(key, "float32")
-        scores = ops.einsum(f"bthd,{keys}->bhts", query, key)
+        if heads_first and query.shape[1] == 1 and keys_lead_one_query():
+            # (B, H, S, 1) -> (B, H, 1, S): a size-1 axis moved, no copy
+            scores = ops.swapaxes(ops.einsum("bhsd,bthd->bhst", key, query), 2, 3)
+        else:
+            scores = ops.einsum(f"bthd,{keys}->bhts", query, key)
         scores = ops.cast(scores, "float32") * scale
         if mask is not None:
             scores = masks_lib.apply_to_scores(scores, mask)
