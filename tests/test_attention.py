@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from helpers import copy_attention_to_torch, np_attention, np_mha, run_layer_test, run_mixed_precision_test, to_np
-from keras_tfm import CrossAttention, MultiHeadSelfAttention, attention, scaled_dot_product_attention
+from keras_tfm import (CrossAttention, MultiHeadSelfAttention, attention,
+                       scaled_dot_product_attention)
 from keras_tfm.masks import keras_mask
 
 

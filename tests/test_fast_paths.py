@@ -4,8 +4,8 @@ Generation runs its layers' `call` directly (`direct_calls`), and inside it PyTo
 reorders caches in place, attends to the filled part of the cache only and runs Dense /
 EinsumDense / LayerNormalization layers, the logits projection (oneDNN products against packed
 kernels) and the attention layers' decoding steps as torch calls alone, and keeps freed memory;
-JAX takes its own argmax and top-k. Each test compares against the plain path (every layer through Keras's `__call__`,
-functional cache updates) or NumPy.
+JAX takes its own argmax and top-k. Each test compares against the plain path (every layer
+through Keras's `__call__`, functional cache updates) or NumPy.
 """
 
 import contextlib
