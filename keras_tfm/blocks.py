@@ -14,7 +14,7 @@ from keras_tfm import masks as masks_lib
 from keras_tfm._backend import call_layer
 from keras_tfm._checks import check_dropout, check_key_value_heads, check_positive_int
 from keras_tfm._checks import check_rank, check_same_batch, with_quantized_dtypes
-from keras_tfm.attention import CrossAttention, MultiHeadSelfAttention
+from keras_tfm.attention import CrossAttention, MultiHeadSelfAttention, context_keys_values
 from keras_tfm.dropout import Dropout
 from keras_tfm.feedforward import FeedForward
 
@@ -247,9 +247,9 @@ class TransformerDecoderBlock(_TransformerBlockBase):
         self_attention_cache: key/value cache of the self-attention for cached decoding,
             `(B, 2, num_key_value_heads, L, key_dim)`; see `MultiHeadSelfAttention`.
         self_attention_cache_update_index: position of `inputs[:, 0]` in the cache.
-        cross_attention_cache: `block.cross_attention.compute_context_cache(encoder_outputs)`,
-            computed once per source batch and used instead of `encoder_outputs` (then pass
-            `encoder_outputs_mask` yourself).
+        cross_attention_cache: `block.cross_attention.compute_context_cache(encoder_outputs)`
+            (or its `(keys, values)` pair), computed once per source batch and used instead of
+            `encoder_outputs` (then pass `encoder_outputs_mask` yourself).
         inputs_mask, encoder_outputs_mask: Keras masks `(B, T)`, `(B, S)`; filled in by Keras.
 
     Returns:
@@ -360,7 +360,7 @@ class TransformerDecoderBlock(_TransformerBlockBase):
             if encoder_outputs is None and cross_attention_cache is None:
                 return output, self_scores
             source_length = (encoder_outputs.shape[1] if encoder_outputs is not None
-                             else cross_attention_cache.shape[3])
+                             else context_keys_values(cross_attention_cache)[0].shape[2])
             return (output, self_scores,
                     keras.KerasTensor((batch, self.num_heads, length, source_length),
                                       dtype=self.compute_dtype))

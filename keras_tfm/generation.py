@@ -20,6 +20,7 @@ from keras_tfm import masks as masks_lib
 from keras_tfm._backend import (argmax, call_layer, direct_calls, keep_freed_memory,
                                 reorder_beams, top_k)
 from keras_tfm._checks import check_special_ids, check_token_ids
+from keras_tfm.attention import context_keys_values
 from keras_tfm.blocks import TransformerDecoderBlock, TransformerEncoderBlock
 from keras_tfm.embedding import TokenAndPositionEmbedding
 from keras_tfm.models import LanguageModel
@@ -111,9 +112,17 @@ class Seq2SeqParts:
             x = call_layer(self.encoder_norm, x)
         return x, mask
 
-    def cross_attention_caches(self, encoder_outputs):
-        return [block.cross_attention.compute_context_cache(encoder_outputs)
-                for block in self.decoder_blocks]
+    def cross_attention_caches(self, encoder_outputs, repeats=1):
+        """Each decoder block's cross-attention keys and values `(B * repeats, H, S, d)`, a
+        pair per block, split once here (see `context_keys_values`); each row repeated
+        `repeats` times (the beams of a source)."""
+        caches = []
+        for block in self.decoder_blocks:
+            cache = block.cross_attention.compute_context_cache(encoder_outputs)
+            if repeats > 1:
+                cache = ops.repeat(cache, repeats, axis=0)
+            caches.append(context_keys_values(cache))
+        return caches
 
     def empty_self_attention_caches(self, batch_size, max_length):
         return [block.self_attention._empty_cache(batch_size, max_length, block.compute_dtype)
@@ -241,7 +250,7 @@ def _beam_search(parts, source, start_id, end_id, max_length, beam_size, alpha, 
     encoder_outputs, source_mask = parts.encode(source)
     # Beams are folded into the batch: row b * k + j is beam j of source b. The cross-attention
     # keys and values are projected once per source, then repeated (not projected k times).
-    cross = [ops.repeat(c, k, axis=0) for c in parts.cross_attention_caches(encoder_outputs)]
+    cross = parts.cross_attention_caches(encoder_outputs, repeats=k)
     source_mask = ops.repeat(source_mask, k, axis=0)
     caches = parts.empty_self_attention_caches(batch * k, max_length)
 

@@ -19,6 +19,7 @@ from helpers import BACKEND, np_softmax, to_np
 from keras_tfm import (CrossAttention, MultiHeadSelfAttention, build_language_model,
                        build_transformer, generate)
 from keras_tfm import _backend, generation
+from keras_tfm.attention import context_keys_values
 
 
 def marian_like(tied=True, **kwargs):
@@ -204,7 +205,8 @@ def test_direct_attention_steps_equal_keras_calls(monkeypatch, rows):
     `_torch_cross_attention_plan`: the layer's `call` is not reached); the cross-attention
     plan prepares a padding mask once, and again for another mask; a source of padding alone
     gives its row zeros (then the output bias) on both paths; several queries (a prompt's
-    prefill) take `call`."""
+    prefill) take `call`. The cross-attention's direct steps take the cache split into keys
+    and values (generation's form), the Keras calls the stacked array."""
     rng = np.random.default_rng(rows)
     context = ops.convert_to_tensor(rng.normal(size=(rows, 6, 16)), "float32")
     pad = np.ones((rows, 6), bool)
@@ -229,6 +231,8 @@ def test_direct_attention_steps_equal_keras_calls(monkeypatch, rows):
                      if "padding" in name else [None, None])
             steps = [dict(context_cache=cached, context_mask=m) for m in masks]
         expected = [layer(x, **step) for step in steps]
+        if not name.startswith("self"):  # as generation passes them: keys and values split
+            steps = [dict(step, context_cache=context_keys_values(cached)) for step in steps]
         with _backend.direct_calls(), _generation_grad_mode(), monkeypatch.context() as patch:
             if BACKEND == "torch":
                 patch.setattr(layer, "call", _not_called)

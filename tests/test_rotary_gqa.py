@@ -8,6 +8,7 @@ import torch
 from helpers import (assert_config_round_trip, np_attention, np_dense, run_layer_test,
                      run_mixed_precision_test, to_np)
 from keras_tfm import CrossAttention, MultiHeadSelfAttention, RotaryEmbedding
+from keras_tfm.attention import context_keys_values
 
 
 def random(shape, seed=0):
@@ -165,6 +166,10 @@ def test_gqa_cache_shapes_and_context_cache():
     cross(x, x)
     assert tuple(cross.compute_context_cache(x).shape) == (2, 2, 2, 3, 4)
     np.testing.assert_allclose(to_np(cross(x, context_cache=cross.compute_context_cache(x))),
+                               to_np(cross(x, x)), atol=1e-6)
+    keys, values = context_keys_values(cross.compute_context_cache(x))  # the split form
+    assert tuple(keys.shape) == tuple(values.shape) == (2, 2, 3, 4)
+    np.testing.assert_allclose(to_np(cross(x, context_cache=(keys, values))),
                                to_np(cross(x, x)), atol=1e-6)
 
 
