@@ -528,7 +528,9 @@ def generate(model, source_tokens, start_id=AUTO, end_id=AUTO, max_length=None, 
             log-probability by to rank hypotheses (0.6 in the paper's decoding).
         return_scores: also return each sequence's log-probability (the sum of its tokens'
             log-probabilities, `<EOS>` included; not length-penalised).
-        batch_size: decode the sources in chunks of this size (None: all at once).
+        batch_size: decode the sources in chunks of this size (None: all at once). Under
+            PyTorch and TensorFlow's graph (no compile per shape) the chunks take the shortest
+            sources first, each cut to its longest source; results keep the order given.
         verbose: show a progress bar over the chunks.
         pad_id: the padding id of the sources and of the output; never generated. "auto" takes
             the model's own (0 for a model without one).
@@ -614,14 +616,22 @@ def generate(model, source_tokens, start_id=AUTO, end_id=AUTO, max_length=None, 
                                 float(length_penalty), pad_id)
 
     return _run_in_chunks(model, key, search, inputs, batch_size, verbose, pad_id, return_scores,
-                          beams=beams)
+                          beams=beams, sources=True)
 
 
 def _run_in_chunks(model, key, search, inputs, batch_size, verbose, pad_id, return_scores,
-                   static_shapes=False, beams=1):
+                   static_shapes=False, beams=1, sources=False):
     """Compile `search` once per `key`, run it on chunks of the NumPy `inputs` (rows along the
     first axis; each decoded with `beams` beams) and return the tokens, cut after the longest
-    sequence, and the scores."""
+    sequence, and the scores, rows in the order given.
+
+    `sources`: `inputs[0]` holds right-padded sources. Where chunks are not compiled per shape
+    (PyTorch; TensorFlow's graph below `_XLA_ROWS` rows), the rows are then taken shortest
+    source first and each chunk cut to its longest source, so a chunk encodes and attends to
+    little padding (CTranslate2 sorts a batch by length too). Padding is masked: the tokens
+    are those of any other chunking. Measured under torch, 100 sources of 5-60 tokens in
+    chunks of 16 (opus-mt-base, 32 new tokens; medians of 4 calls in turns): 6.5 -> 5.9 s.
+    """
     # The variables are part of the key: `model.quantize` replaces them, and a search compiled
     # over the old ones (JAX passes them in, TensorFlow captures them) would ignore the change.
     variables = tuple(id(v) for v in model.variables)
@@ -636,10 +646,17 @@ def _run_in_chunks(model, key, search, inputs, batch_size, verbose, pad_id, retu
 
     chunk = batch_size or len(inputs[0])
     starts = range(0, len(inputs[0]), chunk)
+    order = None
+    if sources and len(starts) > 1 and not _compiles_per_shape(chunk * beams, static_shapes):
+        lengths = (inputs[0] != pad_id).sum(axis=1)  # (no padding before a real token)
+        order = np.argsort(lengths, kind="stable")
+        inputs, lengths = [x[order] for x in inputs], lengths[order]
     progress = keras.utils.Progbar(len(starts)) if verbose else None
     all_tokens, all_scores = [], []
     for n, start in enumerate(starts):
         part = [x[start:start + chunk] for x in inputs]
+        if order is not None:  # the chunk's sources cut to the longest of them
+            part[0] = part[0][:, :max(int(lengths[start:start + chunk].max()), 1)]
         rows = len(part[0])
         if rows < chunk and n > 0 and _compiles_per_shape(chunk * beams, static_shapes):
             # A shorter last chunk would compile the search again (~1-1.5 s for opus-mt-base,
@@ -651,11 +668,13 @@ def _run_in_chunks(model, key, search, inputs, batch_size, verbose, pad_id, retu
         all_scores.append(np.asarray(ops.convert_to_numpy(scores), "float32")[:rows])
         if progress is not None:
             progress.update(n + 1)
-    tokens = np.concatenate(all_tokens, axis=0)
+    tokens, scores = np.concatenate(all_tokens, axis=0), np.concatenate(all_scores, axis=0)
+    if order is not None:  # back in the order given
+        tokens, scores = tokens[np.argsort(order)], scores[np.argsort(order)]
     longest = int((tokens != pad_id).sum(axis=1).max(initial=0))
     tokens = tokens[:, :max(longest, 1)]
     if return_scores:
-        return tokens, np.concatenate(all_scores, axis=0)
+        return tokens, scores
     return tokens
 
 

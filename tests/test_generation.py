@@ -205,6 +205,33 @@ def test_chunks_with_progress_equal_one_batch():
     np.testing.assert_array_equal(chunked[:, :whole.shape[1]], whole)
 
 
+def test_chunks_run_shortest_sources_first_where_shapes_are_free(monkeypatch):
+    """Where a chunk is not compiled per shape (PyTorch; TensorFlow's graph below 8 rows),
+    the sources run shortest first, each chunk cut to its longest source; under JAX in the
+    order given at the bucket's width. Either way the tokens and scores come back in the
+    order given, those of one batch."""
+    model = small_model()
+    rng = np.random.default_rng(3)
+    src = np.zeros((7, 9), "int32")
+    for row, n in enumerate([9, 2, 6, 4, 9, 1, 7]):
+        src[row, :n] = rng.integers(3, 20, n)
+    for method, beams in (("greedy", 1), ("beam", 2)):
+        whole, whole_scores = generate(model, src, SOS, EOS, 6, method=method,
+                                       beam_size=beams, return_scores=True)
+        generation._COMPILED.pop(model, None)
+        shapes, compile_search = [], generation._compile
+        monkeypatch.setattr(generation, "_compile", lambda *a, **k: (
+            lambda run: lambda *x: shapes.append(tuple(x[0].shape)) or run(*x))(
+                compile_search(*a, **k)))
+        chunked, scores = generate(model, src, SOS, EOS, 6, method=method, beam_size=beams,
+                                   return_scores=True, batch_size=3)
+        monkeypatch.undo()
+        np.testing.assert_array_equal(chunked, whole)
+        np.testing.assert_allclose(scores, whole_scores, atol=1e-5)
+        # lengths 1, 2, 4 | 6, 7, 9 | 9 (JAX: 3 rows each, the bucket's 16 positions)
+        assert shapes == ([(3, 16)] * 3 if BACKEND == "jax" else [(3, 4), (3, 9), (1, 9)])
+
+
 def test_a_short_last_chunk_compiles_nothing_new(monkeypatch):
     """Where the search compiles per shape (JAX; TensorFlow's XLA from 8 rows: here 4
     sources × 2 beams) the last chunk is filled up to `batch_size` rows (copies of its first
