@@ -459,10 +459,18 @@ def keep_freed_memory():
                 and libc.mallopt(m_trim_threshold, 1 << 30))
 
 
+def _tf_graph_direct():
+    """TensorFlow's graph without XLA inside `direct_calls()` (generation below `_XLA_ROWS`
+    rows), where a slice may have a length known only at run time."""
+    return (_direct() and keras.backend.backend() == "tensorflow"
+            and not getattr(_DIRECT, "xla", False))
+
+
 def attends_filled_only():
-    """Whether `filled_part` returns the filled positions alone (eager PyTorch in
-    `direct_calls()`); otherwise the whole cache, which the causal mask must cut."""
-    return _torch_direct()
+    """Whether `filled_part` returns the filled positions alone (eager PyTorch or
+    TensorFlow's graph in `direct_calls()`); otherwise the whole cache, which the causal mask
+    must cut."""
+    return _torch_direct() or _tf_graph_direct()
 
 
 def filled_part(cache, length):
@@ -470,12 +478,15 @@ def filled_part(cache, length):
 
     Under PyTorch inside `direct_calls()` (generation, which passes no `attention_mask`),
     views of the first `length` (filled) positions, as transformers' growing cache attends to;
-    otherwise the whole cache, whose unfilled positions the causal mask excludes (compiled
-    backends need static shapes). (On a GPU, `int(length)` waits for the device once a layer
-    and step.)
+    in TensorFlow's graph there, a slice of them (its length known at run time; batch 1, 128
+    new tokens 2.84 -> 2.74 s, 32 unchanged); otherwise the whole cache, whose unfilled
+    positions the causal mask excludes (XLA needs static shapes). (On a GPU, `int(length)`
+    waits for the device once a layer and step.)
     """
-    if attends_filled_only():
+    if _torch_direct():
         cache = cache.narrow(_POSITIONS, 0, int(length))
+    elif _tf_graph_direct():
+        cache = cache[:, :, :, :length]
     return cache[:, 0], cache[:, 1]
 
 
