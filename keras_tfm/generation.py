@@ -670,7 +670,8 @@ def _run_in_chunks(model, key, search, inputs, batch_size, verbose, pad_id, retu
             progress.update(n + 1)
     tokens, scores = np.concatenate(all_tokens, axis=0), np.concatenate(all_scores, axis=0)
     if order is not None:  # back in the order given
-        tokens, scores = tokens[np.argsort(order)], scores[np.argsort(order)]
+        restore = np.argsort(order)
+        tokens, scores = tokens[restore], scores[restore]
     longest = int((tokens != pad_id).sum(axis=1).max(initial=0))
     tokens = tokens[:, :max(longest, 1)]
     if return_scores:
