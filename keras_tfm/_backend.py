@@ -166,18 +166,40 @@ def fuses_heads_first():
 _POSITIONS = 3  # the position axis of a key/value cache (B, 2, H, L, d)
 
 
+def slice_update(inputs, start_indices, updates):
+    """`ops.slice_update(inputs, start_indices, updates)`: `inputs` with `updates` written from
+    `start_indices` (one index per axis).
+
+    In TensorFlow's graph without XLA inside `direct_calls()` (generation below `_XLA_ROWS`
+    rows), TensorFlow's own strided-slice update, which writes into its input's buffer when
+    nothing else reads that input (TensorFlow checks) and copies it otherwise. Keras's
+    TensorFlow `slice_update` is tf2xla's `XlaDynamicUpdateSlice`, which outside XLA runs as a
+    one-operation XLA program: ~0.25 ms a call, 7 calls a decoding step (6 layers' caches and
+    the tokens). Measured in one process, batch 1, calls in turns, same tokens: 32 new tokens
+    0.705 → 0.643 s, 128 tokens 2.77 → 2.58 s.
+    """
+    if not _tf_graph_direct():
+        return ops.slice_update(inputs, start_indices, updates)
+    import tensorflow as tf
+
+    begin = tf.stack([tf.cast(i, "int32") for i in start_indices])
+    return tf.raw_ops.TensorStridedSliceUpdate(
+        input=inputs, begin=begin, end=begin + tf.shape(updates),
+        strides=tf.ones_like(begin), value=tf.cast(updates, inputs.dtype))
+
+
 def update_cache(cache, index, update):
     """`cache` with `update` written at `index` along axis 3 (the position axis).
 
-    `ops.slice_update`, except under PyTorch inside `direct_calls()` (generation, which owns
-    its caches and never reads an old one again): there the cache is written in place, as
-    Keras's torch `slice_update` clones the whole cache at every decoding step.
+    `slice_update`, except under PyTorch inside `direct_calls()` (generation, which owns its
+    caches and never reads an old one again): there the cache is written in place, as Keras's
+    torch `slice_update` clones the whole cache at every decoding step.
     """
     if _torch_direct():
         cache.narrow(_POSITIONS, index, update.shape[_POSITIONS]).copy_(update)
         return cache
     zero = ops.zeros((), "int32")
-    return ops.slice_update(cache, (zero, zero, zero, index, zero), update)
+    return slice_update(cache, (zero, zero, zero, index, zero), update)
 
 
 _PACKED = weakref.WeakKeyDictionary()  # layer -> (source tensor, its version, packed kernel)
@@ -485,8 +507,8 @@ def filled_part(cache, length):
     """
     if _torch_direct():
         cache = cache.narrow(_POSITIONS, 0, int(length))
-    elif _tf_graph_direct():
-        cache = cache[:, :, :, :length]
+    elif _tf_graph_direct():  # (one slice each: `cache[:, :, :, :length]` first copied twice)
+        return cache[:, 0, :, :length], cache[:, 1, :, :length]
     return cache[:, 0], cache[:, 1]
 
 

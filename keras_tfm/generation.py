@@ -18,7 +18,7 @@ from keras import ops
 
 from keras_tfm import masks as masks_lib
 from keras_tfm._backend import (argmax, call_layer, direct_calls, keep_freed_memory,
-                                reorder_beams, top_k)
+                                reorder_beams, slice_update, top_k)
 from keras_tfm._checks import check_special_ids, check_token_ids
 from keras_tfm.attention import context_keys_values
 from keras_tfm.blocks import TransformerDecoderBlock, TransformerEncoderBlock
@@ -225,7 +225,7 @@ def _greedy_search(parts, source, start_id, end_id, max_length, pad_id=PAD_ID, c
         scores = scores + ops.where(finished, 0.0, _chosen_log_probs(logits, chosen))
         chosen = ops.where(finished, pad_id, chosen)
         finished = ops.logical_or(finished, ops.equal(chosen, end_id))
-        tokens = ops.slice_update(tokens, (0, i + 1), chosen[:, None])
+        tokens = slice_update(tokens, (0, i + 1), chosen[:, None])
         return i + 1, tokens, caches, finished, scores
 
     state = (ops.convert_to_tensor(0, "int32"), tokens, caches, finished, scores)
@@ -811,7 +811,7 @@ def _language_model_search(parts, prompts, lengths, end_id, max_length, choose=N
         current = ops.where(in_prompt, current, ops.where(finished, pad_id, chosen))
         finished = ops.logical_or(finished, ops.logical_and(new, ops.equal(chosen, end_id)))
         finished = ops.logical_or(finished, i + 1 >= lengths + max_length)
-        tokens = ops.slice_update(tokens, (0, i), current[:, None])
+        tokens = slice_update(tokens, (0, i), current[:, None])
         step_logits, caches = parts.forward(current[:, None], i, caches)
         return i + 1, tokens, caches, step_logits[:, 0], finished, scores
 

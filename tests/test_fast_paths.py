@@ -120,6 +120,31 @@ def test_the_cache_is_updated_in_place_only_inside_generation():
     np.testing.assert_allclose(to_np(direct_new), to_np(new), atol=1e-6)
 
 
+@pytest.mark.parametrize("graph", [False, True] if BACKEND == "tensorflow" else [False])
+def test_slice_update_helper_equals_keras_and_leaves_its_input(graph):
+    """`_backend.slice_update` inside `direct_calls()` (under TensorFlow's graph, its own
+    strided-slice update, which may write into a buffer nothing else reads) gives
+    `ops.slice_update`'s result, and an input the caller still holds is left as it was."""
+    x = np.arange(2 * 3 * 7, dtype="float32").reshape(2, 3, 7)
+    update = -np.ones((2, 2, 3), "float32")
+
+    def both(inputs, index):
+        with _backend.direct_calls():
+            helper = _backend.slice_update(inputs, (0, 1, index), update)
+        return helper, ops.slice_update(inputs, (0, 1, index), update)
+
+    if graph:
+        import tensorflow as tf
+
+        both = tf.function(both, autograph=False)
+    inputs = ops.convert_to_tensor(x)
+    for index in (0, 4):
+        helper, expected = both(inputs, ops.convert_to_tensor(index, "int32"))
+        np.testing.assert_array_equal(to_np(helper), to_np(expected))
+        assert (to_np(helper)[:, 1:3, index:index + 3] == -1).all()
+        np.testing.assert_array_equal(to_np(inputs), x)
+
+
 @pytest.mark.parametrize("parent", [[0, 0, 3, 1, 4], [0, 1, 2, 3, 4]])
 def test_beam_reorder_gives_each_row_its_parents_filled_positions(parent):
     """`reorder_beams` (under torch inside generation: in place, the filled positions of the
