@@ -61,8 +61,8 @@ def record_traces(monkeypatch, search, shape_of=lambda shape: shape):
 
     traces = []
     original = getattr(generation, search)
-    monkeypatch.setattr(generation, search, lambda parts, tokens, *args: traces.append(
-        shape_of(tuple(tokens.shape))) or original(parts, tokens, *args))
+    monkeypatch.setattr(generation, search, lambda parts, tokens, *args, **kwargs: traces.append(
+        shape_of(tuple(tokens.shape))) or original(parts, tokens, *args, **kwargs))
     return traces
 
 

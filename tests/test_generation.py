@@ -68,9 +68,13 @@ def test_cached_step_logits_equal_a_full_forward_pass(norm_first):
 
 @pytest.mark.parametrize("norm_first", [False, True])
 def test_greedy_equals_full_recomputation(norm_first):
+    """Tokens and scores; a search without scores (which skips their log-sum-exp) is compiled
+    apart and gives the same tokens."""
     model = small_model(norm_first)
     src = sources(3)
+    unscored = generate(model, src, SOS, EOS, max_length=8)
     tokens, scores = generate(model, src, SOS, EOS, max_length=8, return_scores=True)
+    np.testing.assert_array_equal(unscored, tokens)
     expected, expected_scores = reference_greedy(model, src, 8)
     np.testing.assert_array_equal(tokens, expected[:, :tokens.shape[1]])
     assert (expected[:, tokens.shape[1]:] == 0).all()
@@ -181,7 +185,7 @@ def test_compiled_once_per_settings_and_sees_new_weights(monkeypatch):
     traces = []
     original = generation._greedy_search
     monkeypatch.setattr(generation, "_greedy_search",
-                        lambda *args: traces.append(1) or original(*args))
+                        lambda *args, **kwargs: traces.append(1) or original(*args, **kwargs))
     first = generate(model, src, SOS, EOS, 6)
     second = generate(model, src, SOS, EOS, 6)
     np.testing.assert_array_equal(first, second)

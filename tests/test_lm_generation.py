@@ -74,7 +74,9 @@ def test_chunks_with_a_short_last_one_equal_one_batch(monkeypatch):
 
 def test_end_id_stops_each_row_and_scores_are_log_probabilities():
     lm = small_lm()
+    unscored = generate(lm, PROMPTS, max_length=8, end_id="auto")  # (compiled apart)
     tokens, scores = generate(lm, PROMPTS, max_length=8, end_id="auto", return_scores=True)
+    np.testing.assert_array_equal(unscored, tokens)
     # the model's own end id (build_language_model(end_id=2)) was used
     for row, prompt, score in zip(tokens, PROMPTS, scores):
         expected = reference_continuation(lm, prompt, 8, end_id=END)
