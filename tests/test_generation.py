@@ -263,6 +263,7 @@ class FixedDistribution:
 
     def __init__(self, probabilities):
         self.logits = np.log(np.asarray(probabilities, "float32"))
+        self.target_vocab_size = len(probabilities)
 
     def encode(self, source):
         return ops.zeros(tuple(source.shape) + (1,)), ops.ones(source.shape, "bool")
