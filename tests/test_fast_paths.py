@@ -2,8 +2,9 @@
 
 Generation runs its layers' `call` directly (`direct_calls`), and inside it PyTorch writes and
 reorders caches in place, attends to the filled part of the cache only and runs Dense /
-EinsumDense / LayerNormalization layers, the logits projection (oneDNN products against packed
-kernels) and the attention layers' decoding steps as torch calls alone, and keeps freed memory;
+EinsumDense / LayerNormalization layers, the logits projection and its bias (oneDNN products
+against packed kernels) and the attention layers' decoding steps as torch calls alone, removes
+the padding token from a step's logits in place, and keeps freed memory;
 JAX takes its own argmax and top-k. Each test compares against the plain path (every layer
 through Keras's `__call__`, functional cache updates) or NumPy.
 """
@@ -16,8 +17,8 @@ import pytest
 from keras import ops
 
 from helpers import BACKEND, np_softmax, to_np
-from keras_tfm import (CrossAttention, MultiHeadSelfAttention, build_language_model,
-                       build_transformer, generate)
+from keras_tfm import (CrossAttention, MultiHeadSelfAttention, TokenAndPositionEmbedding,
+                       build_language_model, build_transformer, generate)
 from keras_tfm import _backend, generation
 from keras_tfm.attention import context_keys_values
 
@@ -145,6 +146,23 @@ def test_slice_update_helper_equals_keras_and_leaves_its_input(graph):
         np.testing.assert_array_equal(to_np(inputs), x)
 
 
+def test_suppress_token_helper_equals_adding_its_row():
+    """`_backend.suppress_token` gives `logits + row` exactly, inside `direct_calls()` (under
+    PyTorch an in-place add to the one column) and outside (a new array, the input kept)."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(0.0, 5.0, (4, 9)).astype("float32")
+    row = np.where(np.arange(9) == 6, -1e9, 0.0).astype("float32")
+    expected = x + row
+    outside = ops.convert_to_tensor(x)
+    np.testing.assert_array_equal(
+        to_np(_backend.suppress_token(outside, 6, ops.convert_to_tensor(row))), expected)
+    np.testing.assert_array_equal(to_np(outside), x)
+    with _backend.direct_calls():
+        inside = _backend.suppress_token(ops.convert_to_tensor(x), 6, ops.convert_to_tensor(row))
+    np.testing.assert_array_equal(to_np(inside), expected)
+    assert (to_np(inside)[:, 6] == -1e9).all()
+
+
 @pytest.mark.parametrize("parent", [[0, 0, 3, 1, 4], [0, 1, 2, 3, 4]])
 def test_beam_reorder_gives_each_row_its_parents_filled_positions(parent):
     """`reorder_beams` (under torch inside generation: in place, the filled positions of the
@@ -181,6 +199,8 @@ def _direct_layers():
         (keras.layers.ReversibleEmbedding(30, 16), (16,), {"reverse": True}, True),
         (keras.layers.ReversibleEmbedding(30, 16, tie_weights=False), (16,), {"reverse": True},
          True),
+        (TokenAndPositionEmbedding(30, 16, reverse_bias=True), (16,), {"reverse": True},
+         True),  # MarianMT's logits: the bias added by the product (packed: its table)
     ]
 
 
@@ -202,7 +222,8 @@ def test_direct_layer_calls_equal_keras_calls(rows):
         np.testing.assert_allclose(got.astype("float32"), expected.astype("float32"),
                                    atol=atol, err_msg=layer.name)
         if BACKEND == "torch":  # (oneDNN is in torch's CPU builds; without it, no packing)
-            assert (layer in _backend._PACKED) == (packed and _backend._one_dnn()), layer.name
+            table = getattr(layer, "token_embedding", layer)
+            assert (table in _backend._PACKED) == (packed and _backend._one_dnn()), layer.name
 
 
 def _attention_layers():
