@@ -97,8 +97,7 @@ def call_layer(layer, *args, **kwargs):
     goes through `__call__`, which casts its variables. Under PyTorch a `Dense`,
     `EinsumDense`, `LayerNormalization` or reversed `ReversibleEmbedding` layer, the logits of
     a `TokenAndPositionEmbedding`, and an attention layer's decoding step, run as torch calls
-    alone (`_torch_plan`). Under JAX and
-    TensorFlow this only shortens tracing.
+    alone (`_torch_plan`). Under JAX and TensorFlow this only shortens tracing.
     """
     plans = getattr(_DIRECT, "plans", None)
     if plans is None:

@@ -167,8 +167,8 @@ class Seq2SeqParts:
 def _pad_remover(vocab, pad_id):
     """`without_pad(logits (B, vocab)) -> logits` with the padding token's logit made a large
     negative value: never generated. Built once before a search's loop (its `(vocab,)` row is
-    not rebuilt at every step); the row is added (`suppress_token`), not a `where` over the
-    whole logits: under PyTorch at (64, 32000) 0.26 against 0.89 ms a step."""
+    not rebuilt at every step). The row is added (`suppress_token`: under PyTorch to the one
+    column, in place), not a `where` over the whole `(B, vocab)` logits."""
     row = ops.where(ops.equal(ops.arange(vocab, dtype="int32"), pad_id), _NEG_INF, 0.0)
     return lambda logits: suppress_token(logits, pad_id, row)
 
