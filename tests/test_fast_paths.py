@@ -224,6 +224,8 @@ def test_direct_layer_calls_equal_keras_calls(rows):
         if BACKEND == "torch":  # (oneDNN is in torch's CPU builds; without it, no packing)
             table = getattr(layer, "token_embedding", layer)
             assert (table in _backend._PACKED) == (packed and _backend._one_dnn()), layer.name
+            if table is not layer:  # the logits and their bias: one torch product, no `call`
+                assert _backend._plan(layer) != layer.call
 
 
 def _attention_layers():
