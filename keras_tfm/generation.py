@@ -613,7 +613,7 @@ def generate(model, source_tokens, start_id=AUTO, end_id=AUTO, max_length=None, 
 
         def search(source, uniforms):
             return _greedy_search(parts, source, start_id, stop_id, max_length, pad_id,
-                                  _chooser(sampling, uniforms), return_scores)
+                                  _chooser(sampling, uniforms), scored=return_scores)
     elif method == "greedy" or beam_size == 1:  # one beam is greedy search
         key = ("greedy", return_scores, start_id, stop_id, pad_id, max_length)
 
@@ -933,7 +933,8 @@ def generate_language_model(model, prompts, max_length, end_id=AUTO, pad_id=AUTO
 
         def search(prompts, lengths, uniforms):
             return _language_model_search(parts, prompts, lengths, stop_id, max_length,
-                                          _chooser(sampling, uniforms), return_scores)
+                                          _chooser(sampling, uniforms),
+                                          scored=return_scores)
     else:
         def search(prompts, lengths):
             return _language_model_search(parts, prompts, lengths, stop_id, max_length,
