@@ -55,6 +55,22 @@ def keys_lead_one_query():
     return _xla_cpu()
 
 
+def fuses_projections(*layers):
+    """Whether a decoding step computes the projections `layers` of one input (a
+    self-attention's query, key and value `EinsumDense`) as one product against their
+    concatenated kernels: inside `direct_calls()` under XLA on the CPU, when every layer runs
+    its plain `call` (not quantized, variables in the compute dtype). XLA computes the
+    concatenation of the loop-invariant kernels once, before the loop, and a step then reads
+    one 512 × 1536 kernel instead of three 512 × 512 ones, which at one row are too small to
+    reach the memory bandwidth (~75 µs each against ~125 µs for the fused product). Eager
+    backends would concatenate at every step. Measured in one process, calls in turns, tokens
+    equal (opus-mt-base, JAX): batch 1, 128 new tokens 1.146 → 1.044 s, 32 tokens 0.335 →
+    0.303 s; 16 and 64 rows, beam search and TensorFlow's XLA at 16 rows within noise."""
+    return _direct() and _xla_cpu() and all(
+        layer.built and layer.quantization_mode is None
+        and layer.compute_dtype == layer.variable_dtype for layer in layers)
+
+
 _DIRECT = threading.local()  # .plans: None outside direct_calls(), else {layer: callable}
 
 

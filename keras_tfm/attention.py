@@ -11,8 +11,8 @@ from keras import ops
 
 from keras_tfm import masks as masks_lib
 from keras_tfm._backend import (attends_filled_only, call_layer, dot_product_attention,
-                                filled_part, fuses_heads_first, keys_lead_one_query,
-                                update_cache)
+                                filled_part, fuses_heads_first, fuses_projections,
+                                keys_lead_one_query, update_cache)
 from keras_tfm._checks import clone_initializer
 from keras_tfm._checks import check_dropout, check_key_value_heads, check_positive_int
 from keras_tfm._checks import check_rank, check_same_batch, with_quantized_dtypes
@@ -229,6 +229,22 @@ class _MultiHeadAttentionBase(keras.layers.Layer):
         return (self._rotate(call_layer(self.key_dense, context), start_index),
                 call_layer(self.value_dense, context))
 
+    def _project_step(self, inputs, start_index):
+        """Queries, keys and values `(B, T, heads, d)` of a cached self-attention step: one
+        product against the three kernels concatenated where `fuses_projections` says so,
+        else one per projection."""
+        dense = (self.query_dense, self.key_dense, self.value_dense)
+        if not fuses_projections(*dense):
+            return (self._rotate(call_layer(self.query_dense, inputs), start_index),
+                    *self._project_context(inputs, start_index))
+        projected = ops.einsum("btd,dhk->bthk", inputs,
+                               ops.concatenate([layer.kernel for layer in dense], axis=1))
+        if self.use_bias:
+            projected = projected + ops.concatenate([layer.bias for layer in dense], axis=0)
+        heads, kv_heads = self.num_heads, self._kv_heads
+        queries, keys, values = ops.split(projected, [heads, heads + kv_heads], axis=2)
+        return self._rotate(queries, start_index), self._rotate(keys, start_index), values
+
     def _check_cacheable(self):
         if self._value_dim != self._key_dim:
             raise ValueError(
@@ -238,12 +254,15 @@ class _MultiHeadAttentionBase(keras.layers.Layer):
             )
 
     def _attend(self, query, keys, values, mask, training, return_attention_scores,
-                start_index=0, heads_first=False):
+                heads_first=False, queries=None):
+        """Attend from `query` (or its projected `queries`) over `keys` and `values`, then
+        project the heads' outputs."""
         groups = self.num_heads // self._kv_heads
         if groups > 1:  # grouped-query attention: each key/value head serves `groups` heads
             axis = 1 if heads_first else 2
             keys, values = ops.repeat(keys, groups, axis), ops.repeat(values, groups, axis)
-        queries = self._rotate(call_layer(self.query_dense, query), start_index)
+        if queries is None:
+            queries = self._rotate(call_layer(self.query_dense, query), 0)
         result = scaled_dot_product_attention(
             queries, keys, values, mask=mask, dropout=self.dropout_layer, training=training,
             return_weights=return_attention_scores, heads_first=heads_first,
@@ -387,7 +406,8 @@ class MultiHeadSelfAttention(_MultiHeadAttentionBase):
             raise ValueError(f"{self.name}: `cache_update_index` is required with `cache`.")
         self._check_cacheable()
         index = ops.cast(cache_update_index, "int32")
-        update = _heads_first(ops.stack(self._project_context(inputs, start_index=index), 1))
+        queries, *keys_values = self._project_step(inputs, index)
+        update = _heads_first(ops.stack(keys_values, 1))
         cache = update_cache(cache, index, ops.cast(update, cache.dtype))
         keys, values = filled_part(cache, index + ops.shape(inputs)[1])  # (B, H, L', d)
         if attention_mask is None and inputs.shape[1] == 1 and attends_filled_only():
@@ -398,7 +418,7 @@ class MultiHeadSelfAttention(_MultiHeadAttentionBase):
             merged = masks_lib.merge_masks(inputs, keys[:, 0], attention_mask=attention_mask,
                                            causal=True, causal_offset=index)
         result = self._attend(inputs, keys, values, merged, training, return_attention_scores,
-                              start_index=index, heads_first=True)
+                              heads_first=True, queries=queries)
         if return_attention_scores:
             return result[0], result[1], cache
         return result, cache

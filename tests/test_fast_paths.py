@@ -5,7 +5,8 @@ reorders caches in place, attends to the filled part of the cache only and runs 
 EinsumDense / LayerNormalization layers, the logits projection and its bias (oneDNN products
 against packed kernels) and the attention layers' decoding steps as torch calls alone, removes
 the padding token from a step's logits in place, and keeps freed memory;
-JAX takes its own argmax and top-k. Each test compares against the plain path (every layer
+JAX takes its own argmax and top-k; under XLA on the CPU a self-attention step projects its
+queries, keys and values by one product. Each test compares against the plain path (every layer
 through Keras's `__call__`, functional cache updates) or NumPy.
 """
 
@@ -302,6 +303,53 @@ def test_direct_attention_steps_equal_keras_calls(monkeypatch, rows):
                 bias = to_np(layer.output_dense.bias)
                 np.testing.assert_allclose(to_np(expected[0])[-1, 0], bias, atol=1e-6)
                 assert np.abs(to_np(expected[0])[0, 0] - bias).max() > 0.1
+
+
+@pytest.mark.parametrize("rows", [1, 5])
+def test_fused_step_projections_equal_keras_calls(rows):
+    """Where generation is compiled by XLA on the CPU (JAX; TensorFlow's XLA searches), a
+    cached self-attention step takes its queries, keys and values from one product against
+    the three kernels concatenated (`fuses_projections`): each equals its projection's Keras
+    call, with grouped-query heads and rotary positions, and without biases. Elsewhere
+    (PyTorch), outside generation, and for a quantized or mixed-precision projection, the
+    projections stay apart."""
+    rng = np.random.default_rng(rows)
+    x = ops.convert_to_tensor(rng.normal(size=(rows, 1, 16)), "float32")
+    index = ops.convert_to_tensor(3, "int32")
+    layers = [MultiHeadSelfAttention(num_heads=4, causal=True),
+              MultiHeadSelfAttention(num_heads=4, causal=True, num_key_value_heads=2,
+                                     rotary=True),
+              MultiHeadSelfAttention(num_heads=4, causal=True, use_bias=False)]
+    for layer in layers:
+        layer(x)
+        for weight in layer.weights:
+            weight.assign(rng.normal(0.0, 0.5, weight.shape).astype("float32"))
+        expected = [layer._rotate(layer.query_dense(x), index),
+                    layer._rotate(layer.key_dense(x), index), layer.value_dense(x)]
+        dense = (layer.query_dense, layer.key_dense, layer.value_dense)
+        fused = []
+
+        def step(inputs, layer=layer, dense=dense, fused=fused):
+            fused.append(bool(_backend.fuses_projections(*dense)))
+            return layer._project_step(inputs, index)
+
+        if BACKEND == "tensorflow":
+            got = _as_generation_compiles(step)(x)
+        else:
+            with _backend.direct_calls():
+                got = step(x)
+        assert fused == [BACKEND != "torch"], layer.name
+        assert not _backend.fuses_projections(*dense)  # outside generation
+        for g, e in zip(got, expected):
+            np.testing.assert_allclose(to_np(g), to_np(e), atol=1e-5, err_msg=layer.name)
+    quantized = keras.layers.EinsumDense("btd,dhk->bthk", (None, 4, 4), bias_axes="hk")
+    quantized.build((None, 1, 16))
+    quantized.quantize("int8")
+    mixed = keras.layers.EinsumDense("btd,dhk->bthk", (None, 4, 4), dtype="mixed_bfloat16")
+    mixed.build((None, 1, 16))
+    with _backend.direct_calls():
+        assert not _backend.fuses_projections(layers[0].query_dense, quantized)
+        assert not _backend.fuses_projections(layers[0].query_dense, mixed)
 
 
 def _copied(kwargs):
