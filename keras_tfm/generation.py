@@ -18,7 +18,8 @@ from keras import ops
 
 from keras_tfm import masks as masks_lib
 from keras_tfm._backend import (argmax, call_layer, direct_calls, keep_freed_memory,
-                                reorder_beams, slice_update, suppress_token, top_k)
+                                reorder_beams, repeated_layer_caller, slice_update,
+                                suppress_token, top_k)
 from keras_tfm._checks import check_special_ids, check_token_ids
 from keras_tfm.attention import context_keys_values
 from keras_tfm.blocks import TransformerDecoderBlock, TransformerEncoderBlock
@@ -106,8 +107,9 @@ class Seq2SeqParts:
         """Encoder output `(B, S, d_model)` and the source padding mask `(B, S)`."""
         mask = masks_lib.padding_mask(source_tokens, self.pad_id)
         x = call_layer(self.encoder_embedding, source_tokens)
-        for block in self.encoder_blocks:
-            x = call_layer(block, x, mask=mask)
+        call_block = repeated_layer_caller(self.encoder_blocks)
+        for i in range(len(self.encoder_blocks)):
+            x = call_block(i, x, mask=mask)
         if self.encoder_norm is not None:
             x = call_layer(self.encoder_norm, x)
         return x, mask
@@ -149,9 +151,10 @@ class Seq2SeqParts:
     def decode_step(self, tokens, index, self_caches, cross_caches, source_mask):
         """Logits `(B, V)` (float32) of the tokens `(B, 1)` at position `index`, new caches."""
         x = call_layer(self.decoder_embedding, tokens, start_index=index)
+        call_block = repeated_layer_caller(self.decoder_blocks)
         new_caches = []
-        for block, cache, cross in zip(self.decoder_blocks, self_caches, cross_caches):
-            x, cache = call_layer(block, x, self_attention_cache=cache,
+        for i, (cache, cross) in enumerate(zip(self_caches, cross_caches)):
+            x, cache = call_block(i, x, self_attention_cache=cache,
                                   self_attention_cache_update_index=index,
                                   cross_attention_cache=cross, encoder_outputs_mask=source_mask)
             new_caches.append(cache)
@@ -739,9 +742,10 @@ class LanguageModelParts:
             x = x * ops.cast(self.embedding_scale, x.dtype)
         if self.position is not None:
             x = call_layer(self.position, x, start_index=index)
+        call_block = repeated_layer_caller(self.blocks)
         new_caches = []
-        for block, cache in zip(self.blocks, caches):
-            x, cache = call_layer(block, x, self_attention_cache=cache,
+        for i, cache in enumerate(caches):
+            x, cache = call_block(i, x, self_attention_cache=cache,
                                   self_attention_cache_update_index=index)
             new_caches.append(cache)
         if self.final_norm is not None:

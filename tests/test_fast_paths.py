@@ -19,7 +19,8 @@ from keras import ops
 
 from helpers import BACKEND, np_softmax, to_np
 from keras_tfm import (CrossAttention, MultiHeadSelfAttention, TokenAndPositionEmbedding,
-                       build_language_model, build_transformer, generate)
+                       TransformerEncoderBlock, build_language_model, build_transformer,
+                       generate)
 from keras_tfm import _backend, generation
 from keras_tfm.attention import context_keys_values
 
@@ -363,6 +364,56 @@ def test_fused_step_projections_equal_keras_calls(rows):
     with _backend.direct_calls():
         assert not _backend.fuses_projections(layers[0].query_dense, quantized)
         assert not _backend.fuses_projections(layers[0].query_dense, mixed)
+
+
+def _graph_operations(function, *args):
+    """Operations of a TensorFlow function's graph, those of the functions it calls included."""
+    graph = function.get_concrete_function(*args).graph.as_graph_def()
+    return len(graph.node) + sum(len(f.node_def) for f in graph.library.function)
+
+
+@pytest.mark.parametrize("xla", [False, True])
+def test_alike_blocks_run_through_one_trace(xla):
+    """`repeated_layer_caller`: each of three alike blocks gives its own Keras call's output
+    (its own weights). Under TensorFlow, in a search's trace (XLA or the graph of unknown
+    dimensions), the three are traced once: the graph holds under half the operations of one
+    traced per block. Blocks whose configs or variables differ are not alike."""
+    rng = np.random.default_rng(0)
+    x = ops.convert_to_tensor(rng.normal(size=(2, 5, 16)), "float32")
+    mask = ops.convert_to_tensor(np.array([[1] * 5, [1, 1, 1, 0, 0]], "bool"))
+    blocks = [TransformerEncoderBlock(num_heads=4, ff_dim=32, dropout=0.0) for _ in range(3)]
+    for block in blocks:
+        block(x)
+        for weight in block.weights:
+            weight.assign(rng.normal(0.0, 0.3, weight.shape).astype("float32"))
+    expected = [to_np(block(x, mask=mask)) for block in blocks]
+    assert np.abs(expected[0] - expected[1]).max() > 0.1
+    other = TransformerEncoderBlock(num_heads=4, ff_dim=48, dropout=0.0)
+    other(x)
+    assert _backend._alike(blocks) and not _backend._alike(blocks + [other])
+
+    def search(x, caller=_backend.repeated_layer_caller):
+        with _backend.direct_calls(xla=xla):
+            call = caller(blocks)
+            return [call(i, x, mask=mask) for i in range(3)]
+
+    if BACKEND == "tensorflow":
+        import tensorflow as tf
+
+        def one_by_one(layers):
+            return lambda i, *args, **kwargs: _backend.call_layer(layers[i], *args, **kwargs)
+
+        def traced(caller):
+            return tf.function(lambda x: search(x, caller), autograph=False, jit_compile=xla)
+
+        shared, apart = _graph_operations(traced(_backend.repeated_layer_caller), x), \
+            _graph_operations(traced(one_by_one), x)
+        assert shared < apart / 2, (shared, apart)
+        got = traced(_backend.repeated_layer_caller)(x)
+    else:
+        got = search(x)
+    for g, e in zip(got, expected):
+        np.testing.assert_allclose(to_np(g), e, atol=1e-5)
 
 
 def _copied(kwargs):
