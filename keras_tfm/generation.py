@@ -365,7 +365,8 @@ def _compile(model, search, static_shapes=False, beams=1):
     0.88 s, beam 16 × 4 3.09 → 2.2 s, 64 rows 3.6 → 2.2 s, but one row 0.74 → 0.96 s (XLA's
     CPU matrix-vector product fused with the logits' bias, see `_backend.unfused`), and a
     first call (trace and compile) 2-3 s longer. Layers run their `call` directly
-    (`direct_calls`: eager PyTorch would otherwise pay Keras's `__call__` at every step).
+    (`direct_calls`: eager PyTorch would otherwise pay Keras's `__call__` at every step), and
+    TensorFlow traces a stack of alike blocks once (`repeated_layer_caller`).
     """
     backend = keras.backend.backend()
 

@@ -6,8 +6,9 @@ EinsumDense / LayerNormalization layers, the logits projection and its bias (one
 against packed kernels) and the attention layers' decoding steps as torch calls alone, removes
 the padding token from a step's logits in place, and keeps freed memory;
 JAX takes its own argmax and top-k; under XLA on the CPU a self-attention step projects its
-queries, keys and values by one product. Each test compares against the plain path (every layer
-through Keras's `__call__`, functional cache updates) or NumPy.
+queries, keys and values by one product; TensorFlow traces alike blocks once. Each test compares
+against the plain path (every layer through Keras's `__call__`, functional cache updates) or
+NumPy.
 """
 
 import contextlib
