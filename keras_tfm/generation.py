@@ -336,7 +336,7 @@ def _beam_search(parts, source, start_id, end_id, max_length, beam_size, alpha, 
 _COMPILED = weakref.WeakKeyDictionary()
 
 
-_XLA_ROWS = 8  # TensorFlow compiles searches of at least this many rows with XLA (`_compile`)
+_XLA_ROWS = 17  # TensorFlow compiles searches of at least this many rows with XLA (`_compile`)
 
 
 def _compiles_per_shape(rows, static_shapes=False):
@@ -361,10 +361,13 @@ def _compile(model, search, static_shapes=False, beams=1):
     otherwise it compiles a search of `_XLA_ROWS` rows or more (sources × `beams`) with XLA,
     once per input shape (on any device; measured on the CPU), and runs a smaller one as one
     graph traced once with every dimension unknown, which serves every such shape. Measured on
-    a 2-core AMD EPYC (opus-mt-base, 32 new tokens), XLA against the graph: 16 rows 1.63 →
-    0.88 s, beam 16 × 4 3.09 → 2.2 s, 64 rows 3.6 → 2.2 s, but one row 0.74 → 0.96 s (XLA's
-    CPU matrix-vector product fused with the logits' bias, see `_backend.unfused`), and a
-    first call (trace and compile) 2-3 s longer. Layers run their `call` directly
+    a 2-core AMD EPYC (opus-mt-base, 32 new tokens, warm, in one process, in turns), the graph
+    against XLA: one row 0.45-0.55 against 1.33-1.53 s (XLA's own loops for one row), 8
+    rows 1.02 / 0.99 s, 16 rows 1.48 / 1.40 s, 4 sources × beam 4 1.41 / 1.29 s, but 32 rows
+    2.21 / 1.97 s, 8 × beam 4 2.48 / 1.94 s, 64 rows 4.11 / 3.07 s; and XLA's first call of
+    each shape costs 3-6 s more (trace and compile: 16 rows 1.3-3.3 against 6.3-6.8 s), so up
+    to 16 rows the graph's one trace wins (100 sources of 5-60 tokens in chunks of 16, first
+    call: 15.5-16.7 → 11.2-11.8 s). Layers run their `call` directly
     (`direct_calls`: eager PyTorch would otherwise pay Keras's `__call__` at every step), and
     TensorFlow traces a stack of alike blocks once (`repeated_layer_caller`).
     """

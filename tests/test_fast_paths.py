@@ -6,7 +6,8 @@ EinsumDense / LayerNormalization layers, the logits projection and its bias (one
 against packed kernels) and the attention layers' decoding steps as torch calls alone, removes
 the padding token from a step's logits in place, and keeps freed memory;
 JAX takes its own argmax and top-k; under XLA on the CPU a self-attention step projects its
-queries, keys and values by one product; TensorFlow traces alike blocks once. Each test compares
+queries, keys and values by one product; TensorFlow traces alike blocks once and, in its graph,
+takes a tied table's logits as `(table · hiddenᵀ)ᵀ`. Each test compares
 against the plain path (every layer through Keras's `__call__`, functional cache updates) or
 NumPy.
 """
@@ -61,7 +62,7 @@ def plain_path(monkeypatch, model):
 
 
 @pytest.mark.parametrize("tied", [True, False])
-@pytest.mark.parametrize("batch", [1, 9])
+@pytest.mark.parametrize("batch", [1, 17])  # TensorFlow: its graph, and XLA from 17 rows
 def test_seq2seq_search_equals_the_plain_path(monkeypatch, batch, tied):
     model = marian_like(tied)
     src = sources(batch)
@@ -82,7 +83,7 @@ def test_seq2seq_search_equals_the_plain_path(monkeypatch, batch, tied):
 def test_language_model_search_equals_the_plain_path(monkeypatch):
     lm = build_language_model(40, d_model=32, num_heads=4, ff_dim=64, num_layers=2,
                               num_key_value_heads=2, dropout=0.0)
-    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13, 14], [3]] * 3  # 12 rows, unequal lengths
+    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13, 14], [3]] * 5  # 20 rows (TensorFlow's XLA)
     cases = [dict(method="greedy"), dict(method="sample", top_p=0.9, seed=4)]
     fast = [generate(lm, prompts, max_length=6, end_id=None, **case) for case in cases]
     with plain_path(monkeypatch, lm):
@@ -207,11 +208,12 @@ def _direct_layers():
     ]
 
 
-@pytest.mark.parametrize("rows", [1, 9, 64])
+@pytest.mark.parametrize("rows", [1, 3, 9, 64])
 def test_direct_layer_calls_equal_keras_calls(rows):
     """Inside `direct_calls()` without autograd (generation's setting) the layers a decoding
     step calls most give their Keras `__call__` outputs. Under PyTorch they run as torch calls
-    alone: products by oneDNN against packed kernels, layer norm by `F.layer_norm`."""
+    alone: products by oneDNN against packed kernels, layer norm by `F.layer_norm`. Under
+    TensorFlow a tied table's logits take the product `(table · hiddenᵀ)ᵀ`."""
     rng = np.random.default_rng(rows)
     for layer, shape, kwargs, packed in _direct_layers():
         x = ops.convert_to_tensor(rng.normal(size=(rows, 1) + shape), layer.compute_dtype)
@@ -229,6 +231,35 @@ def test_direct_layer_calls_equal_keras_calls(rows):
             assert (table in _backend._PACKED) == (packed and _backend._one_dnn()), layer.name
             if table is not layer:  # the logits and their bias: one torch product, no `call`
                 assert _backend._plan(layer) != layer.call
+        if BACKEND == "tensorflow":
+            table = getattr(layer, "token_embedding", layer)
+            with _backend.direct_calls():
+                planned = _backend._plan(table) != table.call
+            assert planned == (kwargs.get("reverse", False) and table.tie_weights), layer.name
+
+
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="TensorFlow's graph alone: its own "
+                    "product order for a tied table's logits (`_tf_graph_logits_plan`)")
+def test_tensorflow_graph_logits_equal_keras_logits():
+    """Traced with unknown dimensions, as generation's graph is, the tied logits of 1 to 9
+    rows (and of 2 positions a row) equal Keras's `hidden @ tableᵀ`."""
+    import tensorflow as tf
+
+    layer = keras.layers.ReversibleEmbedding(30, 16)
+    layer.build((None, None))
+    rng = np.random.default_rng(0)
+    layer.embeddings.assign(rng.normal(size=(30, 16)).astype("float32"))
+
+    @tf.function(autograph=False, input_signature=[tf.TensorSpec([None, None, 16])])
+    def logits(hidden):
+        with _backend.direct_calls():
+            return _backend.call_layer(layer, hidden, reverse=True)
+
+    for shape in [(1, 1), (3, 1), (9, 1), (3, 2)]:
+        hidden = rng.normal(size=shape + (16,)).astype("float32")
+        got = logits(tf.constant(hidden)).numpy()
+        assert got.shape == shape + (30,)
+        np.testing.assert_allclose(got, hidden @ to_np(layer.embeddings).T, atol=1e-5)
 
 
 def _attention_layers():
@@ -472,7 +503,7 @@ def test_argmax_helper_takes_the_first_maximum():
 
 def _as_generation_compiles(function):
     """`function` as generation runs it: under TensorFlow, in an XLA function traced inside
-    `direct_calls(xla=True)` (as a search of 8 rows or more), where the helpers take two
+    `direct_calls(xla=True)` (as a search of `_XLA_ROWS` rows or more), where the helpers take two
     stages on the CPU; elsewhere as it is."""
     if keras.backend.backend() != "tensorflow":
         return function

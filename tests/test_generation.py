@@ -210,7 +210,8 @@ def test_chunks_with_progress_equal_one_batch():
 
 
 def test_chunks_run_shortest_sources_first_where_shapes_are_free(monkeypatch):
-    """Where a chunk is not compiled per shape (PyTorch; TensorFlow's graph below 8 rows),
+    """Where a chunk is not compiled per shape (PyTorch; TensorFlow's graph below `_XLA_ROWS`
+    rows),
     the sources run shortest first, each chunk cut to its longest source; under JAX in the
     order given at the bucket's width. Either way the tokens and scores come back in the
     order given, those of one batch."""
@@ -237,24 +238,24 @@ def test_chunks_run_shortest_sources_first_where_shapes_are_free(monkeypatch):
 
 
 def test_a_short_last_chunk_compiles_nothing_new(monkeypatch):
-    """Where the search compiles per shape (JAX; TensorFlow's XLA from 8 rows: here 4
-    sources × 2 beams) the last chunk is filled up to `batch_size` rows (copies of its first
+    """Where the search compiles per shape (JAX; TensorFlow's XLA from `_XLA_ROWS` rows: here
+    9 sources × 2 beams) the last chunk is filled up to `batch_size` rows (copies of its first
     row, dropped), so it reuses the compiled search; tokens and scores are those of one batch."""
     model = small_model()
-    src = sources(4, batch=7)
+    src = sources(4, batch=15)
     whole, whole_scores = generate(model, src, SOS, EOS, 6, method="beam", beam_size=2,
                                    return_scores=True)
     generation._COMPILED.pop(model, None)
     traces = record_traces(monkeypatch, "_beam_search", lambda shape: shape[0])
     chunked, scores = generate(model, src, SOS, EOS, 6, method="beam", beam_size=2,
-                               return_scores=True, batch_size=4)  # 4 + 3 sources
-    assert chunked.shape[0] == scores.shape[0] == 7
+                               return_scores=True, batch_size=9)  # 9 + 6 sources
+    assert chunked.shape[0] == scores.shape[0] == 15
     np.testing.assert_array_equal(chunked[:, :whole.shape[1]], whole)
     np.testing.assert_allclose(scores, whole_scores, atol=1e-5)
     if BACKEND in ("jax", "tensorflow"):
-        assert traces == [4]
+        assert traces == [9]
     else:  # torch runs eagerly: nothing to reuse, no padding
-        assert traces == [4, 3]
+        assert traces == [9, 6]
 
 
 class FixedDistribution:
@@ -407,30 +408,31 @@ def test_one_compilation_per_length_bucket(monkeypatch):
         assert traces == [3, 5, 8, 9, 12]
 
 
-def test_searches_of_eight_rows_or_more_compile_per_bucket(monkeypatch):
+def test_searches_of_xla_rows_or_more_compile_per_bucket(monkeypatch):
     """From `_XLA_ROWS` rows (sources × beams) TensorFlow compiles the search with XLA, once
     per bucketed shape, as JAX does; the tokens and scores equal those of the same sources
     decoded in chunks of fewer rows (TensorFlow's one graph of unknown dimensions)."""
     model = small_model()
-    src = np.concatenate([sources(5), sources(6)])  # 8 sources of length 9 (bucket 16)
+    assert generation._XLA_ROWS == 17  # (the sources below are sized around it)
+    src = np.concatenate([sources(5, batch=9), sources(6, batch=8)])  # 17 of length 9 (bucket 16)
     for method, beams in (("greedy", 1), ("beam", 2)):
         small = generate(model, src, SOS, EOS, 7, method=method, beam_size=beams,
                          return_scores=True, batch_size=2)  # 2 or 4 rows a chunk
         whole = generate(model, src, SOS, EOS, 7, method=method, beam_size=beams,
-                         return_scores=True)  # 8 or 16 rows
+                         return_scores=True)  # 17 or 34 rows
         np.testing.assert_array_equal(whole[0], small[0])
         np.testing.assert_allclose(whole[1], small[1], atol=1e-5)
     generation._COMPILED.pop(model, None)
     traces = record_traces(monkeypatch, "_greedy_search")
     for length in (3, 9, 12):  # buckets 8, 16, 16
-        generate(model, sources(length, batch=8, length=length), SOS, EOS, 4)
-    generate(model, sources(2, batch=7), SOS, EOS, 4)  # 7 rows: below the bar
+        generate(model, sources(length, batch=17, length=length), SOS, EOS, 4)
+    generate(model, sources(2, batch=16), SOS, EOS, 4)  # 16 rows: below the bar
     if BACKEND == "jax":
-        assert traces == [(8, 8), (8, 16), (7, 16)]
+        assert traces == [(17, 8), (17, 16), (16, 16)]
     elif BACKEND == "tensorflow":  # XLA per shape, then the graph of unknown dimensions
-        assert traces == [(8, 8), (8, 16), (None, None)]
+        assert traces == [(17, 8), (17, 16), (None, None)]
     else:  # torch runs eagerly, no padding
-        assert traces == [(8, 3), (8, 9), (8, 12), (7, 9)]
+        assert traces == [(17, 3), (17, 9), (17, 12), (16, 9)]
 
 
 def test_bucket_padding_and_its_limits():
@@ -447,9 +449,9 @@ def test_bucket_padding_and_its_limits():
     assert generation._bucket_sources(src, (16,), 0, learned.encoder_embedding, 3) is src
     assert generation._bucket_sources(src, (10, 16), 0, learned.encoder_embedding, 3).shape == (
         3, 10)
-    for rows in (3, 8):  # "auto": buckets where a search of these rows compiles per shape
+    for rows in (3, generation._XLA_ROWS):  # "auto": buckets where such searches compile
         auto = generation._bucket_sources(src, "auto", 0, embedding, rows)
-        per_shape = BACKEND == "jax" or (BACKEND == "tensorflow" and rows >= 8)
+        per_shape = BACKEND == "jax" or (BACKEND == "tensorflow" and rows > 3)
         assert auto.shape == ((3, 16) if per_shape else (3, 9))
     for bad in ((16, 8), (0, 8), "powers", (8.0,), ()):
         with pytest.raises(ValueError, match="length_buckets.*increasing sequence"):
@@ -470,7 +472,7 @@ def test_the_compile_cache_per_model_is_bounded():
 
 def test_generate_after_quantize_runs_the_quantized_weights():
     model = small_model(start_id=SOS, end_id=EOS)
-    src = np.concatenate([sources(13), sources(12)])  # 8 rows: TensorFlow's XLA search
+    src = np.concatenate([sources(13, batch=9), sources(12, batch=8)])  # TensorFlow's XLA: 17 rows
     _, before = generate(model, src, end_id=None, max_length=6, return_scores=True)
     model.quantize("int8")
     _, after = generate(model, src, end_id=None, max_length=6, return_scores=True)
