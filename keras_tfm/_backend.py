@@ -153,8 +153,7 @@ def _tf_graph_logits_plan(layer):
     s; tokens equal.
     """
     if (type(layer) is not keras.layers.ReversibleEmbedding or not layer.tie_weights
-            or getattr(layer, "lora_enabled", False) or layer.reverse_dtype is not None
-            or layer.logit_soft_cap is not None):
+            or not _plain_reverse(layer)):
         return None
     import tensorflow as tf
 
@@ -449,12 +448,18 @@ def _torch_linear_plan(layer):
     return run
 
 
+def _plain_reverse(layer):
+    """Whether a `ReversibleEmbedding`'s reverse call is the product `hidden @ kernel` alone:
+    no LoRA, no reverse dtype, no soft cap (a fast path may then take the product its way)."""
+    return not (getattr(layer, "lora_enabled", False) or layer.reverse_dtype is not None
+                or layer.logit_soft_cap is not None)
+
+
 def _torch_reverse_kernel(layer):
     """The `(kernel, source)` of a `ReversibleEmbedding`'s reverse product for
-    `_torch_product`, or None where its `call` must run (LoRA, a reverse dtype, a soft cap, a
-    device other than the CPU)."""
-    if (getattr(layer, "lora_enabled", False) or layer.reverse_dtype is not None
-            or layer.logit_soft_cap is not None or layer.embeddings.value.device.type != "cpu"):
+    `_torch_product`, or None where its `call` must run (not `_plain_reverse`, or a device
+    other than the CPU)."""
+    if not _plain_reverse(layer) or layer.embeddings.value.device.type != "cpu":
         return None
     source = layer.embeddings.value if layer.tie_weights else layer.reverse_embeddings.value
     return (source.T if layer.tie_weights else source), source
