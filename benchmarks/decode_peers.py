@@ -3,6 +3,7 @@
     python benchmarks/decode_peers.py                   # opus-mt-base shape, every engine
     python benchmarks/decode_peers.py --stream 100 --batch64
     python benchmarks/decode_peers.py --small           # a tiny shape (the tests use it)
+    python benchmarks/decode_peers.py --device cuda --engines transformers keras_tfm-jax ...
 
 One MarianMTModel with random weights is saved once to a temporary directory and loaded into
 transformers (PyTorch), CTranslate2 (`TransformersConverter`; float32 and int8 compute) and
@@ -141,8 +142,24 @@ def count(rows, pad):
     return sum(sum(1 for t in row if t != pad) for row in rows)
 
 
-def make_engine(name, model_dir, ct2_dir, length_buckets="auto"):
-    """`translate(batch, beam, forced)` -> token lists for one engine (loaded here)."""
+def _gpu_seen(backend):
+    """Whether the Keras backend `backend` sees a GPU here."""
+    if backend == "jax":
+        import jax
+
+        return jax.default_backend() == "gpu"
+    if backend == "tensorflow":
+        import tensorflow as tf
+
+        return bool(tf.config.list_physical_devices("GPU"))
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def make_engine(name, model_dir, ct2_dir, length_buckets="auto", device="cpu"):
+    """`translate(batch, beam, forced)` -> token lists for one engine (loaded here) that
+    computes on `device` ("cpu" or "cuda")."""
     from transformers import AutoConfig
 
     pad = AutoConfig.from_pretrained(model_dir).pad_token_id
@@ -150,20 +167,20 @@ def make_engine(name, model_dir, ct2_dir, length_buckets="auto"):
         import torch
         from transformers import MarianMTModel
 
-        hf = MarianMTModel.from_pretrained(model_dir).eval()
+        hf = MarianMTModel.from_pretrained(model_dir).eval().to(device)
 
         def translate(batch, beam, forced, new_tokens=NEW_TOKENS):
-            ids = torch.tensor(pad_batch(batch, pad))
+            ids = torch.tensor(pad_batch(batch, pad)).to(device)
             with torch.inference_mode():
                 out = hf.generate(input_ids=ids, attention_mask=ids != pad, num_beams=beam,
                                   do_sample=False, max_new_tokens=new_tokens,
                                   min_new_tokens=new_tokens if forced else 0,
                                   suppress_tokens=[pad], forced_eos_token_id=None)
-            return out.numpy()[:, 1:]
+            return out.cpu().numpy()[:, 1:]
     elif name.startswith("ctranslate2"):
         import ctranslate2
 
-        translator = ctranslate2.Translator(ct2_dir, device="cpu",
+        translator = ctranslate2.Translator(ct2_dir, device=device,
                                             compute_type=name.split("-")[1], inter_threads=1,
                                             intra_threads=os.cpu_count())
         tokens = vocabulary(pad + 1)
@@ -184,6 +201,12 @@ def make_engine(name, model_dir, ct2_dir, length_buckets="auto"):
 
         if keras.backend.backend() != backend:
             raise ValueError(f"{name} needs a fresh process (Keras runs {keras.backend.backend()})")
+        if device == "cuda" and not _gpu_seen(backend):
+            raise RuntimeError(f"{name}: no GPU here for --device cuda")
+        if device == "cuda" and backend == "jax":  # float32 products in float32, as the
+            import jax  # peers' (JAX's default on NVIDIA GPUs rounds them to TF32)
+
+            jax.config.update("jax_default_matmul_precision", "highest")
         model = keras_tfm.from_marian(model_dir)
         if name in KERAS_INT8:
             model.quantize("int8")
@@ -261,7 +284,7 @@ def matmul_floor(shape, cells, repeats=3):
             for cell, batch, beam in cells}
 
 
-def _serve(conn, name, model_dir, ct2_dir, length_buckets):
+def _serve(conn, name, model_dir, ct2_dir, length_buckets, device):
     """An engine's process: load it, then answer `(task, args)` requests until `None`. Each
     answer is `(ok, value)`: a failure sends its traceback back for the parent to raise."""
     import traceback
@@ -273,11 +296,15 @@ def _serve(conn, name, model_dir, ct2_dir, length_buckets):
             conn.send((False, traceback.format_exc()))
 
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    if device == "cpu":
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""  # a GPU machine's CPU run stays on the CPU
+    else:
+        os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"  # engines share the GPU
     start = time.perf_counter()
     engine = []
 
     def load():
-        engine.extend(make_engine(name, model_dir, ct2_dir, length_buckets))
+        engine.extend(make_engine(name, model_dir, ct2_dir, length_buckets, device))
         return time.perf_counter() - start
 
     answer(load)
@@ -311,14 +338,14 @@ class Engine:
     """One engine in its own process (`spawn`: a fresh interpreter picks its Keras backend);
     `engine(task, *args)` runs a task there and returns its answer."""
 
-    def __init__(self, name, model_dir, ct2_dir, length_buckets="auto"):
+    def __init__(self, name, model_dir, ct2_dir, length_buckets="auto", device="cpu"):
         import multiprocessing
 
         self.name = name
         context = multiprocessing.get_context("spawn")
         self._conn, child = context.Pipe()
         self._process = context.Process(target=_serve, daemon=True, args=(
-            child, name, model_dir, ct2_dir, length_buckets))
+            child, name, model_dir, ct2_dir, length_buckets, device))
         self._process.start()
         self.load_s = self._answer("loading")
 
@@ -339,12 +366,20 @@ class Engine:
 
 
 def run_engines(names, model_dir, ct2_dir, stream=30, repeats=3, batch64=False,
-                length_buckets="auto"):
+                length_buckets="auto", device="cpu"):
     """Every engine's cells, taken in turns: each call of a cell is followed by the same call
     on every other engine (the order rotating), so that the machine's drift (cells move
     ±10-20% over minutes on the development VM) falls on all engines alike. Returns, per
     engine: seconds, tokens/s, the linearity calls and its greedy tokens for the check."""
-    engines = [Engine(name, model_dir, ct2_dir, length_buckets) for name in names]
+    begun = time.perf_counter()
+
+    def progress(what):  # to stderr, as it happens: where the time of a long run goes
+        print(f"[{time.perf_counter() - begun:7.1f} s] {what}", file=sys.stderr, flush=True)
+
+    engines = []
+    for name in names:
+        engines.append(Engine(name, model_dir, ct2_dir, length_buckets, device))
+        progress(f"{name} loaded")
     try:
         results = {e.name: {"engine": e.name, "load_s": e.load_s, "cells": {}} for e in engines}
         from transformers import AutoConfig
@@ -373,6 +408,7 @@ def run_engines(names, model_dir, ct2_dir, stream=30, repeats=3, batch64=False,
         calls = in_turns(len(stream_sources), lambda e, i: e("timed", [stream_sources[i]], 1))
         record(STREAM, {n: [sum(s for s, _ in c)] for n, c in calls.items()},
                {n: sum(t for _, t in c) for n, c in calls.items()})
+        progress(STREAM)
         stream16 = {}
         for e in engines:
             if e.name in PEERS:
@@ -381,6 +417,7 @@ def run_engines(names, model_dir, ct2_dir, stream=30, repeats=3, batch64=False,
                 stream16[e.name] = (sum(s for s, _ in parts), sum(t for _, t in parts))
             else:
                 stream16[e.name] = e("timed", stream_sources, 1, NEW_TOKENS, 16)
+            progress(f"{STREAM16}: {e.name}")
         record(STREAM16, {n: [s] for n, (s, _) in stream16.items()},
                {n: t for n, (_, t) in stream16.items()})
 
@@ -390,6 +427,7 @@ def run_engines(names, model_dir, ct2_dir, stream=30, repeats=3, batch64=False,
             warm = {e.name: e("timed", fixed[:batch], beam, tokens)[1] for e in engines}
             calls = in_turns(repeats, lambda e, i: e("timed", fixed[:batch], beam, tokens)[0])
             record(cell, calls, warm)
+            progress(cell)
         # Linearity: batch-1 calls of NEW_TOKENS and LONG tokens, in turns within each engine
         # too (the cells above are a minute apart: drift between them read as growth).
         calls = in_turns(LINEAR_REPEATS, lambda e, i: [e("timed", fixed[:1], 1, n)[0]
@@ -402,6 +440,7 @@ def run_engines(names, model_dir, ct2_dir, stream=30, repeats=3, batch64=False,
             if e.name in KERAS_ENGINES:
                 for cell, floor in e("floors", cells, repeats).items():
                     results[e.name]["cells"][cell]["matmul_floor_s"] = floor
+            progress(f"linearity, greedy check and floors: {e.name}")
         return results
     finally:
         for e in engines:
@@ -478,7 +517,7 @@ def table(results):
     return "\n".join(lines)
 
 
-def plot(results, path):
+def plot(results, path, device="CPU"):
     import matplotlib
 
     matplotlib.use("Agg")
@@ -496,7 +535,7 @@ def plot(results, path):
     ax.set_yscale("log")
     ax.set_ylabel("new tokens / s (log)")
     ax.set_title(f"Decoding, same MarianMT weights, {NEW_TOKENS} new tokens ({LONG} in the "
-                 "last cell), CPU")
+                 f"last cell), {device}")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -512,10 +551,13 @@ def main():
     parser.add_argument("--batch64", action="store_true", help="add the batch 64 greedy cell")
     parser.add_argument("--no-length-buckets", action="store_true",
                         help="keras_tfm without source-length buckets (length_buckets=None)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="where every engine computes (cuda: an NVIDIA GPU)")
     parser.add_argument("--output-dir", default=RESULTS)
     args = parser.parse_args()
     options = dict(stream=args.stream, repeats=args.repeats, batch64=args.batch64,
-                   length_buckets=None if args.no_length_buckets else "auto")
+                   length_buckets=None if args.no_length_buckets else "auto",
+                   device=args.device)
     shape_name = "small" if args.small else "base"
     with tempfile.TemporaryDirectory() as model_dir:
         write_model(model_dir, SHAPES[shape_name])
@@ -531,7 +573,8 @@ def main():
           {n: f"{c['equal_rows']}/{c['rows']}" for n, c in check.items()})
     os.makedirs(args.output_dir, exist_ok=True)
     stem = os.path.join(args.output_dir, "decode_peers" + ("_small" if args.small else "")
-                        + ("_no_buckets" if args.no_length_buckets else ""))
+                        + ("_no_buckets" if args.no_length_buckets else "")
+                        + ("_cuda" if args.device == "cuda" else ""))
     versions = {}
     for package in ("keras", "jax", "tensorflow", "torch", "transformers", "ctranslate2"):
         try:
@@ -540,13 +583,18 @@ def main():
             versions[package] = version(package)
         except Exception:  # noqa: BLE001 (a package not installed is left out)
             pass
+    machine = platform.processor() or platform.machine()
+    if args.device == "cuda":
+        import torch
+
+        machine = torch.cuda.get_device_name()
     with open(stem + ".json", "w") as f:
         json.dump({"shape": SHAPES[shape_name], "options": options, "cpus": os.cpu_count(),
-                   "machine": platform.processor() or platform.machine(), "versions": versions,
+                   "machine": machine, "versions": versions,
                    "results": results, "ratios": ratios(results), "agreement": check,
                    "linearity": {n: linearity(r) for n, r in results.items()}},
                   f, indent=1)
-    plot(results, stem + ".png")
+    plot(results, stem + ".png", machine if args.device == "cuda" else "CPU")
 
 
 if __name__ == "__main__":

@@ -64,6 +64,18 @@ def test_an_engine_that_fails_raises_its_error_in_the_parent(model_dir, tmp_path
         dp.Engine("ctranslate2-float32", model_dir, str(tmp_path / "no_model"))
 
 
+def test_a_keras_engine_on_cuda_computes_there_or_refuses(model_dir):
+    """`--device cuda` without a GPU is an error, not a CPU run reported as a GPU's."""
+    backend = keras.backend.backend()
+    name, ct2_dir = f"keras_tfm-{backend}", os.path.join(model_dir, "ct2")
+    if dp._gpu_seen(backend):
+        translate, _ = dp.make_engine(name, model_dir, ct2_dir, device="cuda")
+        assert len(translate([[5, 6, dp.EOS]], 1, True)[0]) == dp.NEW_TOKENS
+    else:
+        with pytest.raises(RuntimeError, match=f"{name}: no GPU here for --device cuda"):
+            dp.make_engine(name, model_dir, ct2_dir, device="cuda")
+
+
 def test_ratios_table_and_plot(tmp_path):
     fake = {name: {"cells": {"a": {"tokens_per_s": speed}, "b": {"tokens_per_s": 2 * speed}}}
             for name, speed in (("transformers", 100.0), ("ctranslate2-float32", 200.0),
