@@ -82,6 +82,8 @@ def check_token_ids(token_ids, vocab_size, name="token_ids"):
     >>> check_token_ids([[5, 7, 0]], vocab_size=8)
     array([[5, 7, 0]], dtype=int32)
     """
+    if ops.is_tensor(token_ids):  # (np.asarray fails on CUDA torch tensors)
+        token_ids = ops.convert_to_numpy(token_ids)
     try:
         ids = np.asarray(token_ids)
     except ValueError as error:  # ragged Python lists

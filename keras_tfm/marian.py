@@ -192,8 +192,8 @@ def _check_positions(weights, config):
         table = weights.pop(f"model.{stack}.embed_positions.weight", None)
         if table is None:
             continue
-        expected = np.asarray(sinusoidal_encoding(table.shape[0], config["d_model"],
-                                                  layout="halves"))
+        expected = keras.ops.convert_to_numpy(sinusoidal_encoding(
+            table.shape[0], config["d_model"], layout="halves"))  # (np.asarray: not CUDA torch)
         error = float(np.max(np.abs(table - expected))) if table.shape == expected.shape else None
         if error is None or error > 1e-3:
             raise ValueError(f"model.{stack}.embed_positions.weight is not the sinusoidal table "

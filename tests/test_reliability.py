@@ -46,6 +46,16 @@ def test_check_token_ids_names_value_position_and_vocabulary(bad, what):
     assert whole.dtype == np.int32
 
 
+def test_check_token_ids_takes_backend_tensors():
+    """A backend tensor (on any device: NumPy cannot read a CUDA torch tensor) is checked like
+    an array."""
+    ids = random_ids((2, 3))
+    np.testing.assert_array_equal(check_token_ids(ops.convert_to_tensor(ids), VOCAB), ids)
+    ids[1, 2] = VOCAB
+    with pytest.raises(ValueError, match=rf"{VOCAB}.*\(1, 2\)"):
+        check_token_ids(ops.convert_to_tensor(ids), VOCAB)
+
+
 @pytest.mark.parametrize("bad", [VOCAB, -1, 3.5])
 def test_generate_refuses_bad_source_ids(bad):
     model = small_model()
