@@ -67,7 +67,7 @@ def check_token_ids(token_ids, vocab_size, name="token_ids"):
     like this: there `TokenAndPositionEmbedding` and the masked loss turn a bad id into NaN.
 
     Args:
-        token_ids: array-like of shape `(batch, length)`.
+        token_ids: array-like or backend tensor (any device) of shape `(batch, length)`.
         vocab_size: the vocabulary size.
         name: the argument's name, used in the error message.
 
