@@ -37,6 +37,8 @@ import types
 
 import numpy as np
 
+import per_backend
+
 SHAPES = {  # base: opus-mt's shape and layout (one matrix for both embeddings and the logits)
     "base": dict(d_model=512, heads=8, ff=2048, layers=6, vocab=32000, tied=True),
     # small: untied logits, as random tied weights decode one repeated token; here they vary.
@@ -142,21 +144,6 @@ def count(rows, pad):
     return sum(sum(1 for t in row if t != pad) for row in rows)
 
 
-def _gpu_seen(backend):
-    """Whether the Keras backend `backend` sees a GPU here."""
-    if backend == "jax":
-        import jax
-
-        return jax.default_backend() == "gpu"
-    if backend == "tensorflow":
-        import tensorflow as tf
-
-        return bool(tf.config.list_physical_devices("GPU"))
-    import torch
-
-    return torch.cuda.is_available()
-
-
 def make_engine(name, model_dir, ct2_dir, length_buckets="auto", device="cpu"):
     """`translate(batch, beam, forced)` -> token lists for one engine (loaded here) that
     computes on `device` ("cpu" or "cuda")."""
@@ -201,7 +188,7 @@ def make_engine(name, model_dir, ct2_dir, length_buckets="auto", device="cpu"):
 
         if keras.backend.backend() != backend:
             raise ValueError(f"{name} needs a fresh process (Keras runs {keras.backend.backend()})")
-        if device == "cuda" and not _gpu_seen(backend):
+        if device == "cuda" and per_backend.device_name() == "cpu":
             raise RuntimeError(f"{name}: no GPU here for --device cuda")
         if device == "cuda" and backend == "jax":  # float32 products in float32, as the
             import jax  # peers' (JAX's default on NVIDIA GPUs rounds them to TF32)

@@ -68,7 +68,7 @@ def test_a_keras_engine_on_cuda_computes_there_or_refuses(model_dir):
     """`--device cuda` without a GPU is an error, not a CPU run reported as a GPU's."""
     backend = keras.backend.backend()
     name, ct2_dir = f"keras_tfm-{backend}", os.path.join(model_dir, "ct2")
-    if dp._gpu_seen(backend):
+    if dp.per_backend.device_name() != "cpu":
         translate, _ = dp.make_engine(name, model_dir, ct2_dir, device="cuda")
         assert len(translate([[5, 6, dp.EOS]], 1, True)[0]) == dp.NEW_TOKENS
     else:
