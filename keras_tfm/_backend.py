@@ -255,7 +255,7 @@ def fuses_heads_first():
     return keras.backend.backend() == "torch"
 
 
-_POSITIONS = 3  # the position axis of a key/value cache (B, 2, H, L, d)
+_POSITIONS = 2  # the position axis of a key or value cache (B, H, L, d)
 
 
 def slice_update(inputs, start_indices, updates):
@@ -297,7 +297,8 @@ def suppress_token(logits, token_id, bias_row):
 
 
 def update_cache(cache, index, update):
-    """`cache` with `update` written at `index` along axis 3 (the position axis).
+    """A key or value `cache (B, H, L, d)` with `update (B, H, T, d)` written at `index` along
+    axis 2 (the position axis).
 
     `slice_update`, except under PyTorch inside `direct_calls()` (generation, which owns its
     caches and never reads an old one again): there the cache is written in place, as Keras's
@@ -307,7 +308,7 @@ def update_cache(cache, index, update):
         cache.narrow(_POSITIONS, index, update.shape[_POSITIONS]).copy_(update)
         return cache
     zero = ops.zeros((), "int32")
-    return slice_update(cache, (zero, zero, zero, index, zero), update)
+    return slice_update(cache, (zero, zero, index, zero), update)
 
 
 _PACKED = weakref.WeakKeyDictionary()  # layer -> (source tensor, its version, packed kernel)
@@ -534,6 +535,8 @@ def _torch_self_attention_plan(layer):
     filled positions, all of which it sees, by `_torch_attention`; the projections (and
     rotary positions) go through `call_layer`. The same steps as `call` without the Keras ops
     between them: at one row of opus-mt-base's shape, 0.55 → 0.26 ms a call."""
+    from keras_tfm.attention import cache_keys_values
+
     if not layer.causal or layer._value_dim != layer._key_dim:
         return None
     scale, groups = 1.0 / math.sqrt(layer._key_dim), layer.num_heads // layer._kv_heads
@@ -548,11 +551,13 @@ def _torch_self_attention_plan(layer):
                               cache_update_index=cache_update_index, mask=mask)
         index = int(cache_update_index)
         keys, values = layer._project_context(inputs, start_index=cache_update_index)
-        cache[:, 0, :, index] = keys[:, 0]  # (B, H, d) each
-        cache[:, 1, :, index] = values[:, 0]
+        key_cache, value_cache = cache_keys_values(cache)  # (B, H, L, d): views, if stacked
+        key_cache[:, :, index] = keys[:, 0]  # (B, H, d) each
+        value_cache[:, :, index] = values[:, 0]
         queries = layer._rotate(call_layer(layer.query_dense, inputs), cache_update_index)
-        filled = cache.narrow(_POSITIONS, 0, index + 1)
-        output = _torch_attention(queries, filled[:, 0], filled[:, 1], None, scale, groups)
+        output = _torch_attention(queries, key_cache.narrow(_POSITIONS, 0, index + 1),
+                                  value_cache.narrow(_POSITIONS, 0, index + 1), None, scale,
+                                  groups)
         return call_layer(layer.output_dense, output), cache
 
     return run
@@ -567,7 +572,7 @@ def _torch_cross_attention_plan(layer):
     `_torch_attention`, the projections through `call_layer`. At one row of opus-mt-base's
     shape, 0.41 → 0.14 ms a call."""
     from keras_tfm import masks as masks_lib
-    from keras_tfm.attention import context_keys_values, open_empty_rows, zero_empty_rows
+    from keras_tfm.attention import cache_keys_values, open_empty_rows, zero_empty_rows
 
     scale, groups = 1.0 / math.sqrt(layer._key_dim), layer.num_heads // layer._kv_heads
     prepared = [None, None, None, None]  # the context mask, its key, attention mask, rows to zero
@@ -581,7 +586,7 @@ def _torch_cross_attention_plan(layer):
                               return_attention_scores=return_attention_scores,
                               context_cache=context_cache, query_mask=query_mask,
                               context_mask=context_mask)
-        keys, values = context_keys_values(context_cache)  # (B, H, S, d)
+        keys, values = cache_keys_values(context_cache)  # (B, H, S, d)
         key = (tuple(keys.shape), getattr(context_mask, "_version", None))
         if context_mask is None or prepared[0] is not context_mask or prepared[1] != key:
             merged = masks_lib.merge_masks(query, keys[:, 0], key_padding_mask=context_mask)
@@ -646,25 +651,25 @@ def attends_filled_only():
 
 
 def filled_part(cache, length):
-    """The keys and values `(B, H, L', d)` of a cache `(B, 2, H, L, d)` that attention reads.
+    """The part `(B, H, L', d)` of a key or value cache `(B, H, L, d)` that attention reads.
 
-    Under PyTorch inside `direct_calls()` (generation, which passes no `attention_mask`),
-    views of the first `length` (filled) positions, as transformers' growing cache attends to;
+    Under PyTorch inside `direct_calls()` (generation, which passes no `attention_mask`), a
+    view of the first `length` (filled) positions, as transformers' growing cache attends to;
     in TensorFlow's graph there, a slice of them (its length known at run time; batch 1, 128
     new tokens 2.84 -> 2.74 s, 32 unchanged); otherwise the whole cache, whose unfilled
     positions the causal mask excludes (XLA needs static shapes). (On a GPU, `int(length)`
     waits for the device once a layer and step.)
     """
     if _torch_direct():
-        cache = cache.narrow(_POSITIONS, 0, int(length))
-    elif _tf_graph_direct():  # (one slice each: `cache[:, :, :, :length]` first copied twice)
-        return cache[:, 0, :, :length], cache[:, 1, :, :length]
-    return cache[:, 0], cache[:, 1]
+        return cache.narrow(_POSITIONS, 0, int(length))
+    if _tf_graph_direct():
+        return cache[:, :, :length]
+    return cache
 
 
 def reorder_beams(caches, parent, length):
-    """`[ops.take(cache, parent, axis=0) for cache in caches]`: each cache's rows of each kept
-    beam's parent.
+    """`caches` (a list of key/value pairs) with each cache's rows those of each kept beam's
+    parent (`ops.take(cache, parent, axis=0)`).
 
     Under PyTorch inside `direct_calls()`, only the first `length` (filled) positions of the
     rows whose parent is another row are gathered, in place: a beam step otherwise copies every
@@ -672,14 +677,14 @@ def reorder_beams(caches, parent, length):
     reads `parent` on the host: a device sync a step on an accelerator, where the copy is cheap).
     """
     if not _torch_direct():
-        return [ops.take(cache, parent, axis=0) for cache in caches]
+        return keras.tree.map_structure(lambda cache: ops.take(cache, parent, axis=0), caches)
     import torch
 
     rows, sources = None, parent
     if parent.device.type == "cpu":
         rows = torch.nonzero(parent != torch.arange(parent.shape[0])).flatten()
         sources = parent[rows]
-    for cache in caches:
+    for cache in keras.tree.flatten(caches):
         filled = cache.narrow(_POSITIONS, 0, int(length))
         if rows is None:
             filled.copy_(filled.index_select(0, sources))

@@ -14,7 +14,8 @@ from keras_tfm import masks as masks_lib
 from keras_tfm._backend import call_layer
 from keras_tfm._checks import check_dropout, check_key_value_heads, check_positive_int
 from keras_tfm._checks import check_rank, check_same_batch, with_quantized_dtypes
-from keras_tfm.attention import CrossAttention, MultiHeadSelfAttention, context_keys_values
+from keras_tfm.attention import (CrossAttention, MultiHeadSelfAttention, cache_keys_values,
+                                 cache_spec)
 from keras_tfm.dropout import Dropout
 from keras_tfm.feedforward import FeedForward
 
@@ -245,7 +246,8 @@ class TransformerDecoderBlock(_TransformerBlockBase):
         return_attention_scores: also return the self- and cross-attention weights,
             `(B, H, T, T)` and `(B, H, T, S)`.
         self_attention_cache: key/value cache of the self-attention for cached decoding,
-            `(B, 2, num_key_value_heads, L, key_dim)`; see `MultiHeadSelfAttention`.
+            `(B, 2, num_key_value_heads, L, key_dim)` or its `(keys, values)` pair; see
+            `MultiHeadSelfAttention`.
         self_attention_cache_update_index: position of `inputs[:, 0]` in the cache.
         cross_attention_cache: `block.cross_attention.compute_context_cache(encoder_outputs)`
             (or its `(keys, values)` pair), computed once per source batch and used instead of
@@ -351,8 +353,7 @@ class TransformerDecoderBlock(_TransformerBlockBase):
                             cross_attention_cache=None, **kwargs):
         output = keras.KerasTensor(inputs.shape, dtype=self.compute_dtype)
         if self_attention_cache is not None:
-            return output, keras.KerasTensor(self_attention_cache.shape,
-                                             dtype=self_attention_cache.dtype)
+            return output, cache_spec(self_attention_cache)
         if return_attention_scores:
             batch, length = inputs.shape[0], inputs.shape[1]
             self_scores = keras.KerasTensor((batch, self.num_heads, length, length),
@@ -360,7 +361,7 @@ class TransformerDecoderBlock(_TransformerBlockBase):
             if encoder_outputs is None and cross_attention_cache is None:
                 return output, self_scores
             source_length = (encoder_outputs.shape[1] if encoder_outputs is not None
-                             else context_keys_values(cross_attention_cache)[0].shape[2])
+                             else cache_keys_values(cross_attention_cache)[0].shape[2])
             return (output, self_scores,
                     keras.KerasTensor((batch, self.num_heads, length, source_length),
                                       dtype=self.compute_dtype))

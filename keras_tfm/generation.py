@@ -21,7 +21,7 @@ from keras_tfm._backend import (argmax, call_layer, direct_calls, keep_freed_mem
                                 reorder_beams, repeated_layer_caller, slice_update,
                                 suppress_token, top_k)
 from keras_tfm._checks import check_special_ids, check_token_ids
-from keras_tfm.attention import context_keys_values
+from keras_tfm.attention import cache_keys_values
 from keras_tfm.blocks import TransformerDecoderBlock, TransformerEncoderBlock
 from keras_tfm.embedding import TokenAndPositionEmbedding
 from keras_tfm.models import LanguageModel
@@ -116,14 +116,14 @@ class Seq2SeqParts:
 
     def cross_attention_caches(self, encoder_outputs, repeats=1):
         """Each decoder block's cross-attention keys and values `(B * repeats, H, S, d)`, a
-        pair per block, split once here (see `context_keys_values`); each row repeated
+        pair per block, split once here (see `cache_keys_values`); each row repeated
         `repeats` times (the beams of a source)."""
         caches = []
         for block in self.decoder_blocks:
             cache = block.cross_attention.compute_context_cache(encoder_outputs)
             if repeats > 1:
                 cache = ops.repeat(cache, repeats, axis=0)
-            caches.append(context_keys_values(cache))
+            caches.append(cache_keys_values(cache))
         return caches
 
     def empty_self_attention_caches(self, batch_size, max_length):

@@ -101,11 +101,14 @@ def test_llama_style_block_is_causal_and_ignores_padding():
     assert np.isfinite(out).all()
 
 
-def test_llama_style_block_cache_equals_full_pass():
+@pytest.mark.parametrize("split", [False, True])
+def test_llama_style_block_cache_equals_full_pass(split):
     x = random((2, 5, 16))
     block = _llama_block()
     full = to_np(block(x))
     cache = np.zeros((2, 2, 2, 5, 4), "float32")  # (B, 2, kv heads, L, d)
+    if split:  # its (keys, values) pair, generation's form
+        cache = (cache[:, 0], cache[:, 1])
     out, cache = block(x[:, :3], self_attention_cache=cache, self_attention_cache_update_index=0)
     outs = [to_np(out)]
     for i in (3, 4):
@@ -113,6 +116,11 @@ def test_llama_style_block_cache_equals_full_pass():
                            self_attention_cache_update_index=i)
         outs.append(to_np(out))
     np.testing.assert_allclose(np.concatenate(outs, 1), full, atol=1e-5)
+    assert isinstance(cache, tuple) == split
+    spec = block.compute_output_spec(keras.KerasTensor((2, 1, 16)), self_attention_cache=cache,
+                                     self_attention_cache_update_index=4)
+    assert tuple(spec[0].shape) == (2, 1, 16)
+    assert isinstance(spec[1], tuple) == split
 
 
 def test_llama_style_block_contract():

@@ -24,7 +24,7 @@ from keras_tfm import (CrossAttention, MultiHeadSelfAttention, TokenAndPositionE
                        TransformerEncoderBlock, build_language_model, build_transformer,
                        generate)
 from keras_tfm import _backend, generation
-from keras_tfm.attention import context_keys_values
+from keras_tfm.attention import cache_keys_values
 
 
 def marian_like(tied=True, **kwargs):
@@ -171,11 +171,15 @@ def test_suppress_token_helper_equals_adding_its_row():
 def test_beam_reorder_gives_each_row_its_parents_filled_positions(parent):
     """`reorder_beams` (under torch inside generation: in place, the filled positions of the
     rows whose parent is another row) gives every row its parent's filled positions."""
-    cache = np.random.default_rng(0).normal(size=(5, 2, 2, 6, 3)).astype("float32")
+    pairs = np.random.default_rng(0).normal(size=(2, 2, 5, 2, 6, 3)).astype("float32")
+    caches = [tuple(ops.convert_to_tensor(part) for part in pair) for pair in pairs]
     parents = ops.convert_to_tensor(np.array(parent, "int32"))
-    with _backend.direct_calls(), _generation_grad_mode():
-        got = to_np(_backend.reorder_beams([ops.convert_to_tensor(cache)], parents, 4)[0])
-    np.testing.assert_array_equal(got[:, :, :, :4], cache[parent][:, :, :, :4])
+    with _backend.direct_calls(), _generation_grad_mode():  # two layers' (keys, values)
+        got = _backend.reorder_beams(caches, parents, 4)
+    assert len(got) == 2 and all(len(pair) == 2 for pair in got)
+    for pair, expected in zip(got, pairs):
+        for part, want in zip(pair, expected):  # (B, H, L, d)
+            np.testing.assert_array_equal(to_np(part)[:, :, :4], want[parent][:, :, :4])
 
 
 def _generation_grad_mode():
@@ -280,16 +284,18 @@ def _not_called(*args, **kwargs):
     raise AssertionError("the layer's `call` ran instead of its torch plan")
 
 
+@pytest.mark.parametrize("split", [True, False])
 @pytest.mark.parametrize("rows", [1, 5])
-def test_direct_attention_steps_equal_keras_calls(monkeypatch, rows):
+def test_direct_attention_steps_equal_keras_calls(monkeypatch, rows, split):
     """Inside `direct_calls()` (generation's setting) decoding steps of each attention layer
     give its Keras `__call__` outputs, and the self-attention its updated cache. Under
     PyTorch a one-query step runs as torch calls alone (`_torch_self_attention_plan`,
     `_torch_cross_attention_plan`: the layer's `call` is not reached); the cross-attention
     plan prepares a padding mask once, and again for another mask; a source of padding alone
     gives its row zeros (then the output bias) on both paths; several queries (a prompt's
-    prefill) take `call`. The cross-attention's direct steps take the cache split into keys
-    and values (generation's form), the Keras calls the stacked array."""
+    prefill) take `call`. The Keras calls take each cache as the stacked array; the direct
+    steps too, or (`split`, generation's form) as its `(keys, values)` pair, which the
+    self-attention gives back updated."""
     rng = np.random.default_rng(rows)
     context = ops.convert_to_tensor(rng.normal(size=(rows, 6, 16)), "float32")
     pad = np.ones((rows, 6), bool)
@@ -314,21 +320,26 @@ def test_direct_attention_steps_equal_keras_calls(monkeypatch, rows):
                      if "padding" in name else [None, None])
             steps = [dict(context_cache=cached, context_mask=m) for m in masks]
         expected = [layer(x, **step) for step in steps]
-        if not name.startswith("self"):  # as generation passes them: keys and values split
-            steps = [dict(step, context_cache=context_keys_values(cached)) for step in steps]
+        stacked = steps
+        if split:  # as generation passes them: keys and values split
+            key = "cache" if name.startswith("self") else "context_cache"
+            steps = [dict(step, **{key: cache_keys_values(step[key])}) for step in steps]
         with _backend.direct_calls(), _generation_grad_mode(), monkeypatch.context() as patch:
             if BACKEND == "torch":
                 patch.setattr(layer, "call", _not_called)
             got = [_backend.call_layer(layer, x, **_copied(step)) for step in steps]
         if name.startswith("self"):  # three queries (a prompt's prefill): `call`
             prefill = dict(steps[0], cache_update_index=1)
-            expected.append(layer(ops.tile(x, (1, 3, 1)), **prefill))
+            expected.append(layer(ops.tile(x, (1, 3, 1)), **dict(stacked[0], cache_update_index=1)))
             with _backend.direct_calls(), _generation_grad_mode():
                 got.append(_backend.call_layer(layer, ops.tile(x, (1, 3, 1)),
                                                **_copied(prefill)))
         for g, e in zip(got, expected):
             assert len(_flat(g)) == len(_flat(e)), name
             for g_part, e_part in zip(_flat(g), _flat(e)):
+                if isinstance(g_part, tuple):  # a split cache, given back split
+                    assert split and len(g_part) == 2, name
+                    g_part = np.stack([to_np(part) for part in g_part], axis=1)
                 np.testing.assert_allclose(to_np(g_part), to_np(e_part), atol=1e-5,
                                            err_msg=name)
         if "padding" in name:
@@ -453,7 +464,10 @@ def _copied(kwargs):
     """The call arguments with a copy of the cache (the direct path writes it in place)."""
     if "cache" not in kwargs:
         return kwargs
-    return dict(kwargs, cache=ops.convert_to_tensor(to_np(kwargs["cache"])))
+    cache = kwargs["cache"]
+    if isinstance(cache, tuple):
+        return dict(kwargs, cache=tuple(ops.convert_to_tensor(to_np(part)) for part in cache))
+    return dict(kwargs, cache=ops.convert_to_tensor(to_np(cache)))
 
 
 def _flat(result):

@@ -8,7 +8,7 @@ import torch
 from helpers import (assert_config_round_trip, np_attention, np_dense, run_layer_test,
                      run_mixed_precision_test, to_np)
 from keras_tfm import CrossAttention, MultiHeadSelfAttention, RotaryEmbedding
-from keras_tfm.attention import context_keys_values
+from keras_tfm.attention import cache_keys_values
 
 
 def random(shape, seed=0):
@@ -134,6 +134,42 @@ def test_rotary_gqa_cache_equals_full_pass_at_the_right_offset():
     np.testing.assert_allclose(to_np(cache)[:, 0], keys.transpose(0, 2, 1, 3), atol=1e-5)
 
 
+def test_cache_as_keys_values_pair_equals_stacked_and_masks_unfilled_positions():
+    """A `(keys, values)` pair cache (generation's form) gives the outputs of the full pass
+    and of the stacked cache, and comes back a pair holding the stacked cache's keys and
+    values. Its unfilled positions hold noise, which the causal mask must keep out (a leak
+    would change the prefill's and the steps' outputs)."""
+    x = random((2, 7, 16))
+    layer = MultiHeadSelfAttention(num_heads=4, num_key_value_heads=2, causal=True, rotary=True)
+    full = to_np(layer(x))
+    noise = random((2, 2, 2, 7, 4), seed=1) * 10  # (B, 2, kv heads, L, d)
+    stacked, pair = noise, (noise[:, 0], noise[:, 1])
+    outs = {"stacked": [], "pair": []}
+    for name in outs:
+        cache = stacked if name == "stacked" else pair
+        out, cache = layer(x[:, :4], cache=cache, cache_update_index=0)
+        outs[name].append(to_np(out))
+        for i in range(4, 7):
+            out, cache = layer(x[:, i:i + 1], cache=cache, cache_update_index=i)
+            outs[name].append(to_np(out))
+        if name == "stacked":
+            stacked = to_np(cache)
+        else:
+            pair = cache
+    assert isinstance(pair, tuple) and len(pair) == 2
+    assert all(tuple(part.shape) == (2, 2, 7, 4) for part in pair)
+    np.testing.assert_allclose(np.concatenate(outs["pair"], 1), full, atol=1e-5)
+    np.testing.assert_allclose(np.concatenate(outs["stacked"], 1), full, atol=1e-5)
+    for got, want in zip(pair, (stacked[:, 0], stacked[:, 1])):
+        np.testing.assert_allclose(to_np(got), want, atol=1e-6)
+    # symbolic: the cache's spec in the form given
+    spec = layer.compute_output_spec(keras.KerasTensor((2, 1, 16)),
+                                     cache=tuple(keras.KerasTensor((2, 2, 7, 4)) for _ in "kv"),
+                                     cache_update_index=3)
+    assert tuple(spec[0].shape) == (2, 1, 16)
+    assert isinstance(spec[1], tuple) and [tuple(p.shape) for p in spec[1]] == [(2, 2, 7, 4)] * 2
+
+
 # --- grouped-query attention --------------------------------------------------------------------
 
 @pytest.mark.parametrize("kv_heads", [1, 2, 4])
@@ -167,7 +203,7 @@ def test_gqa_cache_shapes_and_context_cache():
     assert tuple(cross.compute_context_cache(x).shape) == (2, 2, 2, 3, 4)
     np.testing.assert_allclose(to_np(cross(x, context_cache=cross.compute_context_cache(x))),
                                to_np(cross(x, x)), atol=1e-6)
-    keys, values = context_keys_values(cross.compute_context_cache(x))  # the split form
+    keys, values = cache_keys_values(cross.compute_context_cache(x))  # the split form
     assert tuple(keys.shape) == tuple(values.shape) == (2, 2, 3, 4)
     np.testing.assert_allclose(to_np(cross(x, context_cache=(keys, values))),
                                to_np(cross(x, x)), atol=1e-6)
