@@ -12,7 +12,7 @@ from keras import ops
 from keras_tfm import masks as masks_lib
 from keras_tfm._backend import (attends_filled_only, call_layer, dot_product_attention,
                                 filled_part, fuses_heads_first, fuses_projections,
-                                keys_lead_one_query, update_cache)
+                                keys_lead_one_query, splits_caches, update_cache)
 from keras_tfm._checks import clone_initializer
 from keras_tfm._checks import check_dropout, check_key_value_heads, check_positive_int
 from keras_tfm._checks import check_rank, check_same_batch, with_quantized_dtypes
@@ -122,8 +122,9 @@ def _half(dtype):
 def cache_keys_values(cache):
     """The keys and values `(B, H, L, d)` of a key/value cache: a stacked `(B, 2, H, L, d)`
     array (a self-attention's cache, `CrossAttention.compute_context_cache`'s), or its
-    `(keys, values)` pair. Generation passes pairs (the self-attention caches it creates, the
-    cross-attention's split once per source batch): under XLA a slice of the stacked array is
+    `(keys, values)` pair. Generation passes pairs (the self-attention caches it creates but
+    at one row under XLA, `splits_caches`; the cross-attention's split once per source
+    batch): under XLA a slice of the stacked array is
     a copy, which a decoding loop would make in every layer at every step. For the
     cross-attention caches that was a tenth of JAX's step at 64 rows and 24-token sources; for
     the self-attention caches (opus-mt-base, 32 new tokens, medians of 5 calls, two runs each
@@ -144,9 +145,10 @@ def cache_spec(cache):
     return keras.KerasTensor(cache.shape, dtype=cache.dtype)
 
 
-def _heads_first(keys_and_values):
-    """`(B, 2, S, H, d)` stacked keys and values as a cache holds them: `(B, 2, H, S, d)`."""
-    return ops.transpose(keys_and_values, (0, 1, 3, 2, 4))
+def _heads_first(x):
+    """Keys or values `(B, S, H, d)` as a cache holds them, `(B, H, S, d)`; stacked ones
+    `(B, 2, S, H, d)` as `(B, 2, H, S, d)`."""
+    return ops.swapaxes(x, -3, -2)
 
 
 class _MultiHeadAttentionBase(keras.layers.Layer):
@@ -408,10 +410,13 @@ class MultiHeadSelfAttention(_MultiHeadAttentionBase):
         return self._attend(inputs, keys, values, merged, training, return_attention_scores)
 
     def _empty_cache(self, batch_size, length, dtype):
-        """A zero cache as generation holds it: a `(keys, values)` pair of
-        `(batch_size, num_key_value_heads, length, key_dim)` tensors (see `call`)."""
+        """A zero cache in the form generation holds it (see `call` and `splits_caches`): a
+        `(keys, values)` pair of `(batch_size, num_key_value_heads, length, key_dim)` tensors,
+        or one stacked `(batch_size, 2, …)` tensor."""
         shape = (batch_size, self._kv_heads, length, self._key_dim)
-        return ops.zeros(shape, dtype=dtype), ops.zeros(shape, dtype=dtype)
+        if splits_caches(batch_size):
+            return ops.zeros(shape, dtype=dtype), ops.zeros(shape, dtype=dtype)
+        return ops.zeros((batch_size, 2, *shape[1:]), dtype=dtype)
 
     def _call_cached(self, inputs, attention_mask, training, return_attention_scores, cache,
                      cache_update_index):
@@ -424,10 +429,14 @@ class MultiHeadSelfAttention(_MultiHeadAttentionBase):
         self._check_cacheable()
         index = ops.cast(cache_update_index, "int32")
         queries, *keys_values = self._project_step(inputs, index)
-        caches = [update_cache(part, index, ops.cast(ops.transpose(new, (0, 2, 1, 3)), part.dtype))
-                  for part, new in zip(cache_keys_values(cache), keys_values)]  # (B, H, L, d)
+        if isinstance(cache, (tuple, list)):
+            cache = tuple(update_cache(part, index, ops.cast(_heads_first(new), part.dtype))
+                          for part, new in zip(cache, keys_values))
+        else:  # one write (two halves written, then stacked again, would copy the cache)
+            update = _heads_first(ops.stack(keys_values, 1))
+            cache = update_cache(cache, index, ops.cast(update, cache.dtype))
         filled = index + ops.shape(inputs)[1]
-        keys, values = (filled_part(part, filled) for part in caches)  # (B, H, L', d)
+        keys, values = (filled_part(part, filled) for part in cache_keys_values(cache))
         if attention_mask is None and inputs.shape[1] == 1 and attends_filled_only():
             merged = None  # one query, at the last filled position: it sees every key
         else:
@@ -437,7 +446,6 @@ class MultiHeadSelfAttention(_MultiHeadAttentionBase):
                                            causal=True, causal_offset=index)
         result = self._attend(inputs, keys, values, merged, training, return_attention_scores,
                               heads_first=True, queries=queries)
-        cache = tuple(caches) if isinstance(cache, (tuple, list)) else ops.stack(caches, axis=1)
         if return_attention_scores:
             return result[0], result[1], cache
         return result, cache

@@ -182,6 +182,20 @@ def test_beam_reorder_gives_each_row_its_parents_filled_positions(parent):
             np.testing.assert_array_equal(to_np(part)[:, :, :4], want[parent][:, :, :4])
 
 
+@pytest.mark.parametrize("rows", [1, 3])
+def test_generation_holds_caches_as_pairs_but_one_row_under_xla_on_the_cpu(rows):
+    """Generation's self-attention caches are `(keys, values)` pairs, except one stacked array
+    under XLA on the CPU at one row (`splits_caches`). (Both decode as a full forward pass:
+    test_generation's cached-step test, at one row and three.)"""
+    model = marian_like()
+    layer = model.get_layer("decoder_block_0").self_attention
+    cache = layer._empty_cache(rows, 5, "float32")
+    stacked = BACKEND == "jax" and rows == 1 and _cpu_only()
+    assert isinstance(cache, tuple) != stacked
+    shapes = [tuple(cache.shape)] if stacked else [tuple(part.shape) for part in cache]
+    assert shapes == ([(1, 2, 4, 5, 8)] if stacked else [(rows, 4, 5, 8)] * 2)
+
+
 def _generation_grad_mode():
     """No autograd, as generation runs under PyTorch (the oneDNN products need it off)."""
     if BACKEND == "torch":
