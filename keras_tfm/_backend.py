@@ -262,10 +262,10 @@ def splits_caches(batch_size):
     """Whether generation holds each self-attention cache as a `(keys, values)` pair of
     `(B, H, L, d)` arrays rather than one stacked `(B, 2, H, L, d)` array: everywhere but under
     XLA on the CPU at one row. Under XLA a slice of the stacked array is a copy, made by every
-    layer at every step (see `attention.cache_keys_values`); but at one row XLA fuses a pair's
-    cache write into each of its two readers (the next step, and the attention's product,
-    which reads the cache without its unit batch axis) and copies each cache about four times
-    a step (JAX, batch 1, 128 new tokens: 0.93-0.95 s stacked, 1.03 s split)."""
+    layer at every step (see `attention.cache_keys_values`); but at one row XLA computes a
+    pair's cache write twice (for the next step, and for the attention's product, which reads
+    the cache without its unit batch axis) and copies each cache about four times a step (JAX,
+    batch 1, 128 new tokens: 0.93-0.95 s stacked, 1.03 s split)."""
     return not (_xla_cpu() and batch_size == 1)
 
 

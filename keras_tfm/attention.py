@@ -122,11 +122,11 @@ def _half(dtype):
 def cache_keys_values(cache):
     """The keys and values `(B, H, L, d)` of a key/value cache: a stacked `(B, 2, H, L, d)`
     array (a self-attention's cache, `CrossAttention.compute_context_cache`'s), or its
-    `(keys, values)` pair. Generation passes pairs (the self-attention caches it creates but
-    at one row under XLA, `splits_caches`; the cross-attention's split once per source
-    batch): under XLA a slice of the stacked array is
-    a copy, which a decoding loop would make in every layer at every step. For the
-    cross-attention caches that was a tenth of JAX's step at 64 rows and 24-token sources; for
+    `(keys, values)` pair. Generation passes pairs (the self-attention caches it creates, but
+    at one row under XLA: `splits_caches`; the cross-attention's, split once per source
+    batch): under XLA a slice of the stacked array is a copy, which a decoding loop would make
+    in every layer at every step. For the cross-attention caches that was a tenth of JAX's
+    step at 64 rows and 24-token sources; for
     the self-attention caches (opus-mt-base, 32 new tokens, medians of 5 calls, two runs each
     way in turns, same tokens) JAX's 16 rows took 1.04-1.12 → 0.99-1.01 s, beam 4 2.12-2.21 →
     1.95-2.08 s, 64 rows 2.37-2.39 → 2.11-2.12 s; TensorFlow's XLA at 64 rows 2.28-2.35 →
