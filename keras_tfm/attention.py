@@ -126,12 +126,11 @@ def cache_keys_values(cache):
     at one row under XLA: `splits_caches`; the cross-attention's, split once per source
     batch): under XLA a slice of the stacked array is a copy, which a decoding loop would make
     in every layer at every step. For the cross-attention caches that was a tenth of JAX's
-    step at 64 rows and 24-token sources; for
-    the self-attention caches (opus-mt-base, 32 new tokens, medians of 5 calls, two runs each
-    way in turns, same tokens) JAX's 16 rows took 1.04-1.12 → 0.99-1.01 s, beam 4 2.12-2.21 →
-    1.95-2.08 s, 64 rows 2.37-2.39 → 2.11-2.12 s; TensorFlow's XLA at 64 rows 2.28-2.35 →
-    2.09-2.14 s and its graph at batch 1 0.39-0.40 → 0.36 s; PyTorch (in-place views either
-    way) level."""
+    step at 64 rows and 24-token sources; for the self-attention caches (opus-mt-base, 32 new
+    tokens, medians of 5 calls, two runs each way in turns, same tokens) JAX's 16 rows took
+    1.04-1.12 → 0.99-1.01 s, beam 4 2.12-2.21 → 1.95-2.08 s, 64 rows 2.37-2.39 → 2.11-2.12 s;
+    TensorFlow's XLA at 64 rows 2.28-2.35 → 2.09-2.14 s and its graph at batch 1 0.39-0.40 →
+    0.36 s; PyTorch (in-place views either way) level."""
     if isinstance(cache, (tuple, list)):
         keys, values = cache
         return keys, values
