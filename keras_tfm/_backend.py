@@ -27,6 +27,41 @@ def _xla_cpu():
     return False
 
 
+_FEW_ROWS = 16  # the most rows (sources × beams) of a search compiled without YNNPACK
+_NO_YNN = {"xla_cpu_experimental_ynn_fusion_type": ""}
+
+
+def compiler_options(rows):
+    """XLA's options for compiling a search of `rows` rows (sources × beams) under JAX on
+    the CPU: YNNPACK off for at most 16 rows, else (and on other backends) None.
+
+    XLA's CPU compiler hands matrix products, with the element-wise work around them, to
+    YNNPACK's kernels. In a search of a few rows those ran slower than XLA's own (Eigen's)
+    products, against weights read afresh from memory at every step. Measured with the tied
+    logits against a transposed table (`transposed_tables`, which Eigen needs: without it 4
+    rows took 2.3-2.7 s), opus-mt-base, 32 new tokens, jax 0.10.2, 2-core AMD EPYC, in turns,
+    tokens equal; with YNNPACK / without: 4 rows 0.55 / 0.35 s, 8 rows 0.73 / 0.52, 16 rows
+    1.00 / 0.77, 4 sources × beam 4 1.00 / 0.73, one row 0.21 / 0.22; from 24 rows YNNPACK is
+    faster (24 rows 1.29 / 1.70, 32 rows 1.60 / 1.94, 64 rows 2.2 / 2.9, 8 sources × beam 4
+    1.55 / 1.86). A JAX whose XLA lacks the option compiles with its defaults.
+    """
+    if rows > _FEW_ROWS or keras.backend.backend() != "jax" or not _xla_cpu():
+        return None
+    return _NO_YNN if _knows_options(tuple(_NO_YNN)) else None
+
+
+@functools.lru_cache(maxsize=None)
+def _knows_options(names):
+    """Whether this JAX's XLA accepts the compile options `names` (it refuses unknown ones)."""
+    import jax
+
+    try:
+        jax.jit(lambda x: x, compiler_options=dict.fromkeys(names, "")).lower(0).compile()
+    except Exception:  # an XLA without one of them (a JaxRuntimeError of INVALID_ARGUMENT)
+        return False
+    return True
+
+
 def unfused(x):
     """`x` unchanged, kept out of the next operation's fusion by XLA on the CPU (JAX).
 
@@ -85,20 +120,22 @@ def _torch_direct():
 
 
 @contextlib.contextmanager
-def direct_calls(xla=False):
+def direct_calls(xla=False, tables=None):
     """Within this scope, `call_layer` runs built layers' `call` directly (see there).
 
     Generation enters it around its search: the layers are built, inputs are tensors of the
     compute dtype, masks and `training` are passed explicitly, and no layer is rebuilt,
     quantized or given new variables until the scope ends (how each layer is called is
     decided once per scope). `xla`: the scope is traced by TensorFlow for XLA (`_xla_cpu`).
+    `tables`: `{layer: its table transposed}` for the layers of `transposed_tables` (JAX).
     """
-    previous = getattr(_DIRECT, "plans", None), getattr(_DIRECT, "xla", False)
-    _DIRECT.plans, _DIRECT.xla = {}, xla
+    previous = (getattr(_DIRECT, "plans", None), getattr(_DIRECT, "xla", False),
+                getattr(_DIRECT, "tables", {}))
+    _DIRECT.plans, _DIRECT.xla, _DIRECT.tables = {}, xla, tables or {}
     try:
         yield
     finally:
-        _DIRECT.plans, _DIRECT.xla = previous
+        _DIRECT.plans, _DIRECT.xla, _DIRECT.tables = previous
 
 
 def call_layer(layer, *args, **kwargs):
@@ -137,7 +174,54 @@ def _plan(layer):
         run = _torch_plan(layer)
     elif _tf_graph_direct():
         run = _tf_graph_logits_plan(layer)
+    elif layer in _DIRECT.tables:
+        run = _transposed_table_plan(layer, _DIRECT.tables[layer])
     return layer.call if run is None else run
+
+
+_TRANSPOSED = weakref.WeakKeyDictionary()  # layer -> (table, its transpose)
+
+
+def transposed_tables(layers, rows):
+    """Those of the tied `ReversibleEmbedding` `layers` (a search's logits projection) whose
+    logits a search of `rows` rows (sources × beams) takes against a `(d_model, V)` copy of
+    the table (`transposed_table`), passed into the compiled search: under JAX on the CPU, up
+    to `_FEW_ROWS` rows; none elsewhere.
+
+    XLA's CPU product of a few rows against the transposed `(V, d_model)` table (Keras's
+    `hidden @ tableᵀ`) is slow: 32,000 × 512, one row 2.7-2.9 ms against 1.6-1.7 ms for a
+    `(d_model, V)` matrix (half the memory bandwidth), 16 rows 7.9 against 6.5 ms; and without
+    YNNPACK (`compiler_options`) slower still (a search of 4 rows, 32 new tokens, 2.3-2.7
+    against 0.33-0.38 s; with YNNPACK, one row 0.25-0.27 → 0.23-0.24 s, 16 rows 1.05-1.07 →
+    1.00); level at 64 rows (jax 0.10.2, 2-core AMD EPYC). XLA folds a
+    transpose inside the compiled search back into the product, so the copy (as much memory
+    as the table again) is made outside it, once per table value.
+    """
+    if rows > _FEW_ROWS or keras.backend.backend() != "jax" or not _xla_cpu():
+        return []
+    return [layer for layer in layers
+            if type(layer) is keras.layers.ReversibleEmbedding and layer.built
+            and layer.tie_weights and _plain_reverse(layer)
+            and layer.compute_dtype == layer.variable_dtype
+            and layer.quantization_mode is None]
+
+
+def transposed_table(layer):
+    """`layer`'s embedding table transposed, made again only when the table's value is
+    another array (JAX arrays are immutable: an update assigns a new one)."""
+    table = layer.embeddings.value
+    cached = _TRANSPOSED.get(layer)
+    if cached is None or cached[0] is not table:
+        cached = _TRANSPOSED[layer] = (table, ops.transpose(table))
+    return cached[1]
+
+
+def _transposed_table_plan(layer, transposed):
+    """A tied `ReversibleEmbedding`'s logits as `hidden @ transposed` (`transposed_tables`)."""
+    def run(inputs, reverse=False):
+        return ops.matmul(inputs, transposed) if reverse else layer.call(inputs)
+
+    return run
 
 
 def _tf_graph_logits_plan(layer):

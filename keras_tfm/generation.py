@@ -17,9 +17,10 @@ import numpy as np
 from keras import ops
 
 from keras_tfm import masks as masks_lib
-from keras_tfm._backend import (argmax, call_layer, direct_calls, keep_freed_memory,
-                                reorder_beams, repeated_layer_caller, slice_update,
-                                suppress_token, top_k)
+from keras_tfm._backend import (argmax, call_layer, compiler_options, direct_calls,
+                                keep_freed_memory, reorder_beams, repeated_layer_caller,
+                                slice_update, suppress_token, top_k, transposed_table,
+                                transposed_tables)
 from keras_tfm._checks import check_special_ids, check_token_ids
 from keras_tfm.attention import cache_keys_values
 from keras_tfm.blocks import TransformerDecoderBlock, TransformerEncoderBlock
@@ -349,11 +350,13 @@ def _compiles_per_shape(rows, static_shapes=False):
                                  and (static_shapes or rows >= _XLA_ROWS))
 
 
-def _compile(model, search, static_shapes=False, beams=1):
+def _compile(model, search, static_shapes=False, beams=1, tables=()):
     """Compile `search(*inputs)` once per model and settings, where the backend allows it.
 
     The one backend-specific piece of generation: JAX jit-compiles with the model's variables
-    passed in (a StatelessScope), so later weight updates are seen without recompiling;
+    passed in (a StatelessScope), so later weight updates are seen without recompiling, and
+    on the CPU a search of at most 16 rows without YNNPACK (`compiler_options`) and with the
+    logits of the tied tables `tables` against transposed copies (`transposed_tables`);
     TensorFlow traces a tf.function without AutoGraph (variables are read live); PyTorch runs
     eagerly without autograd, with glibc asked to keep freed memory (`keep_freed_memory`).
     JAX retraces for each new input shape. TensorFlow with `static_shapes` (a search whose
@@ -373,8 +376,8 @@ def _compile(model, search, static_shapes=False, beams=1):
     """
     backend = keras.backend.backend()
 
-    def direct(*inputs, xla=False):  # each layer's `call` without Keras's per-call bookkeeping
-        with direct_calls(xla=xla):
+    def direct(*inputs, xla=False, tables=None):  # layers' `call` without Keras's bookkeeping
+        with direct_calls(xla=xla, tables=tables):
             return search(*inputs)
 
     if backend == "jax":
@@ -382,12 +385,25 @@ def _compile(model, search, static_shapes=False, beams=1):
 
         variables = list(model.variables)
 
-        @jax.jit
-        def run(values, *inputs):
-            with keras.StatelessScope(state_mapping=list(zip(variables, values))):
-                return direct(*inputs)
+        def jitted(options, transposing):
+            def stateless(values, transposed, *inputs):
+                with keras.StatelessScope(state_mapping=list(zip(variables, values))):
+                    return direct(*inputs, tables=dict(zip(transposing, transposed)))
 
-        return lambda *inputs: run([v.value for v in variables], *inputs)
+            return jax.jit(stateless, compiler_options=options)
+
+        compiled = {}  # (XLA's options, the layers transposing) -> the jitted search
+
+        def run(*inputs):
+            rows = inputs[0].shape[0] * beams
+            options, transposing = compiler_options(rows), transposed_tables(tables, rows)
+            key = (tuple(sorted((options or {}).items())), tuple(map(id, transposing)))
+            if key not in compiled:
+                compiled[key] = jitted(options, transposing)
+            return compiled[key]([v.value for v in variables],
+                                 [transposed_table(layer) for layer in transposing], *inputs)
+
+        return run
     if backend == "tensorflow":
         import tensorflow as tf
 
@@ -634,16 +650,18 @@ def generate(model, source_tokens, start_id=AUTO, end_id=AUTO, max_length=None, 
             return _beam_search(parts, source, start_id, stop_id, max_length, beam_size,
                                 float(length_penalty), pad_id)
 
+    tied = [parts.decoder_embedding.token_embedding] if parts.output_projection is None else []
     return _run_in_chunks(model, key, search, inputs, batch_size, verbose, pad_id, return_scores,
-                          beams=beams, sources=True)
+                          beams=beams, sources=True, tables=tied)
 
 
 def _run_in_chunks(model, key, search, inputs, batch_size, verbose, pad_id, return_scores,
-                   static_shapes=False, beams=1, sources=False):
+                   static_shapes=False, beams=1, sources=False, tables=()):
     """Compile `search` once per `key`, run it on chunks of the NumPy `inputs` (rows along the
     first axis; each decoded with `beams` beams) and return the tokens, cut after the longest
     sequence, and the scores, rows in the order given.
 
+    `tables`: the tied embedding layers whose tables give the logits (`_compile`).
     `sources`: `inputs[0]` holds right-padded sources. Where chunks are not compiled per shape
     (PyTorch; TensorFlow's graph below `_XLA_ROWS` rows), the rows are then taken shortest
     source first and each chunk cut to its longest source, so a chunk encodes and attends to
@@ -658,7 +676,7 @@ def _run_in_chunks(model, key, search, inputs, batch_size, verbose, pad_id, retu
     if cached is None or cached[0] != variables:
         cached = _COMPILED[model] = (variables, {})
     compiled = cached[1]
-    run = compiled.pop(key, None) or _compile(model, search, static_shapes, beams)
+    run = compiled.pop(key, None) or _compile(model, search, static_shapes, beams, tables)
     compiled[key] = run  # the most recently used last
     while len(compiled) > _MAX_COMPILED:
         del compiled[next(iter(compiled))]

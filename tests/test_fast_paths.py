@@ -5,7 +5,8 @@ reorders caches in place, attends to the filled part of the cache only and runs 
 EinsumDense / LayerNormalization layers, the logits projection and its bias (oneDNN products
 against packed kernels) and the attention layers' decoding steps as torch calls alone, removes
 the padding token from a step's logits in place, and keeps freed memory;
-JAX takes its own argmax and top-k; under XLA on the CPU a self-attention step projects its
+JAX takes its own argmax and top-k, and in searches of a few rows on the CPU the tied logits
+against a transposed copy of the table; under XLA on the CPU a self-attention step projects its
 queries, keys and values by one product; TensorFlow traces alike blocks once and, in its graph,
 takes a tied table's logits as `(table · hiddenᵀ)ᵀ`. Each test compares
 against the plain path (every layer through Keras's `__call__`, functional cache updates) or
@@ -56,7 +57,7 @@ def plain_path(monkeypatch, model):
     TensorFlow's XLA, one-stage top-k and argmax), freshly compiled."""
     generation._COMPILED.pop(model, None)
     with monkeypatch.context() as patch:
-        patch.setattr(generation, "direct_calls", lambda xla=False: contextlib.nullcontext())
+        patch.setattr(generation, "direct_calls", lambda **kwargs: contextlib.nullcontext())
         yield
     generation._COMPILED.pop(model, None)
 
@@ -194,6 +195,35 @@ def test_generation_holds_caches_as_pairs_but_one_row_under_xla_on_the_cpu(rows)
     assert isinstance(cache, tuple) != stacked
     shapes = [tuple(cache.shape)] if stacked else [tuple(part.shape) for part in cache]
     assert shapes == ([(1, 2, 4, 5, 8)] if stacked else [(rows, 4, 5, 8)] * 2)
+
+
+@pytest.mark.parametrize("rows", [1, 16, 17])
+def test_few_row_searches_under_jax_take_tied_logits_against_a_transposed_table(rows):
+    """Under JAX on the CPU a search of at most 16 rows takes a tied table's logits against a
+    transposed copy made outside the compiled search, once per table value, and is compiled
+    without YNNPACK. (Its tokens and scores: the plain-path tests above, at 1, 3 and 9
+    rows, and after weights change.)"""
+    model = marian_like()
+    layer = model.get_layer("shared_embedding").token_embedding
+    few = BACKEND == "jax" and _cpu_only() and rows <= 16
+    assert _backend.transposed_tables([layer], rows) == ([layer] if few else [])
+    assert (_backend.compiler_options(rows) is not None) == few
+    if BACKEND != "jax":
+        return  # (elsewhere a variable's value is the variable itself: no copy is kept)
+    transposed = _backend.transposed_table(layer)
+    np.testing.assert_array_equal(to_np(transposed), to_np(layer.embeddings).T)
+    assert _backend.transposed_table(layer) is transposed  # kept while the table is the same
+    layer.embeddings.assign(ops.convert_to_tensor(to_np(layer.embeddings) * 2.0))
+    np.testing.assert_array_equal(to_np(_backend.transposed_table(layer)),
+                                  to_np(layer.embeddings).T)
+
+
+@pytest.mark.skipif(BACKEND != "jax", reason="JAX's compile options")
+def test_the_installed_xla_accepts_the_option_that_turns_ynnpack_off():
+    """If a JAX update drops the option, searches compile with its defaults (no error): this
+    test says so, so that the few-row timings in `compiler_options` are measured again."""
+    assert _backend._knows_options(tuple(_backend._NO_YNN))
+    assert not _backend._knows_options(("xla_cpu_no_such_option",))
 
 
 def _generation_grad_mode():
