@@ -31,9 +31,10 @@ _FEW_ROWS = 16  # the most rows (sources × beams) of a search compiled without 
 _NO_YNN = {"xla_cpu_experimental_ynn_fusion_type": ""}
 
 
-def compiler_options(rows):
-    """XLA's options for compiling a search of `rows` rows (sources × beams) under JAX on
-    the CPU: YNNPACK off for at most 16 rows, else (and on other backends) None.
+def compiler_options(rows, layers=()):
+    """XLA's options for compiling a search of `rows` rows (sources × beams) of a model of
+    `layers` under JAX on the CPU: YNNPACK off for at most 16 rows unless a layer is
+    quantized, else (and on other backends) None.
 
     XLA's CPU compiler hands matrix products, with the element-wise work around them, to
     YNNPACK's kernels. In a search of a few rows those ran slower than XLA's own (Eigen's)
@@ -43,9 +44,12 @@ def compiler_options(rows):
     tokens equal; with YNNPACK / without: 4 rows 0.55 / 0.35 s, 8 rows 0.73 / 0.52, 16 rows
     1.00 / 0.77, 4 sources × beam 4 1.00 / 0.73, one row 0.21 / 0.22; from 24 rows YNNPACK is
     faster (24 rows 1.29 / 1.70, 32 rows 1.60 / 1.94, 64 rows 2.2 / 2.9, 8 sources × beam 4
-    1.55 / 1.86). A JAX whose XLA lacks the option compiles with its defaults.
+    1.55 / 1.86). Quantized products need YNNPACK's int8 kernels (`quantize("int8")`, 16 rows:
+    792 tokens/s with them, 138 without). A JAX whose XLA lacks the option compiles with its
+    defaults.
     """
-    if rows > _FEW_ROWS or keras.backend.backend() != "jax" or not _xla_cpu():
+    if (rows > _FEW_ROWS or keras.backend.backend() != "jax" or not _xla_cpu()
+            or any(getattr(layer, "quantization_mode", None) for layer in layers)):
         return None
     return _NO_YNN if _knows_options(tuple(_NO_YNN)) else None
 

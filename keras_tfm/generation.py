@@ -396,7 +396,8 @@ def _compile(model, search, static_shapes=False, beams=1, tables=()):
 
         def run(*inputs):
             rows = inputs[0].shape[0] * beams
-            options, transposing = compiler_options(rows), transposed_tables(tables, rows)
+            options = compiler_options(rows, model._flatten_layers())
+            transposing = transposed_tables(tables, rows)
             key = (tuple(sorted((options or {}).items())), tuple(map(id, transposing)))
             if key not in compiled:
                 compiled[key] = jitted(options, transposing)

@@ -201,13 +201,17 @@ def test_generation_holds_caches_as_pairs_but_one_row_under_xla_on_the_cpu(rows)
 def test_few_row_searches_under_jax_take_tied_logits_against_a_transposed_table(rows):
     """Under JAX on the CPU a search of at most 16 rows takes a tied table's logits against a
     transposed copy made outside the compiled search, once per table value, and is compiled
-    without YNNPACK. (Its tokens and scores: the plain-path tests above, at 1, 3 and 9
+    without YNNPACK unless a layer is quantized. (Its tokens and scores: the plain-path tests above, at 1, 3 and 9
     rows, and after weights change.)"""
     model = marian_like()
     layer = model.get_layer("shared_embedding").token_embedding
     few = BACKEND == "jax" and _cpu_only() and rows <= 16
     assert _backend.transposed_tables([layer], rows) == ([layer] if few else [])
-    assert (_backend.compiler_options(rows) is not None) == few
+    assert (_backend.compiler_options(rows, model._flatten_layers()) is not None) == few
+    quantized = keras.layers.Dense(4)
+    quantized.build((None, 8))
+    quantized.quantize("int8")  # int8 products want YNNPACK's kernels: options stay None
+    assert _backend.compiler_options(rows, [*model._flatten_layers(), quantized]) is None
     if BACKEND != "jax":
         return  # (elsewhere a variable's value is the variable itself: no copy is kept)
     transposed = _backend.transposed_table(layer)
