@@ -42,11 +42,11 @@ def compiler_options(rows, layers=()):
     logits against a transposed table (`transposed_tables`, which Eigen needs: without it 4
     rows took 2.3-2.7 s), opus-mt-base, 32 new tokens, jax 0.10.2, 2-core AMD EPYC, in turns,
     tokens equal; with YNNPACK / without: 4 rows 0.55 / 0.35 s, 8 rows 0.73 / 0.52, 16 rows
-    1.00 / 0.77, 4 sources × beam 4 1.00 / 0.73, one row 0.21 / 0.22; from 24 rows YNNPACK is
-    faster (24 rows 1.29 / 1.70, 32 rows 1.60 / 1.94, 64 rows 2.2 / 2.9, 8 sources × beam 4
-    1.55 / 1.86). Quantized products need YNNPACK's int8 kernels (`quantize("int8")`, 16 rows:
-    792 tokens/s with them, 138 without). A JAX whose XLA lacks the option compiles with its
-    defaults.
+    1.00 / 0.77, 4 sources × beam 4 1.00 / 0.73, one row level (0.21 / 0.22; in a noisier
+    hour 0.33-0.42 / 0.26-0.30); from 24 rows YNNPACK is faster (24 rows 1.29 / 1.70, 32 rows
+    1.60 / 1.94, 64 rows 2.2 / 2.9, 8 sources × beam 4 1.55 / 1.86). Quantized products need
+    YNNPACK's int8 kernels (`quantize("int8")`, 16 rows: 792 tokens/s with them, 138
+    without). A JAX whose XLA lacks the option compiles with its defaults.
     """
     if (rows > _FEW_ROWS or keras.backend.backend() != "jax" or not _xla_cpu()
             or any(getattr(layer, "quantization_mode", None) for layer in layers)):
