@@ -31,6 +31,13 @@ _FEW_ROWS = 16  # the most rows (sources × beams) of a search compiled without 
 _NO_YNN = {"xla_cpu_experimental_ynn_fusion_type": ""}
 
 
+def _few_rows_under_jax_on_the_cpu(rows):
+    """Whether a search of `rows` rows (sources × beams) is one that `compiler_options` and
+    `transposed_tables` change: at most `_FEW_ROWS` rows, under JAX on the CPU (the two need
+    each other: see there)."""
+    return rows <= _FEW_ROWS and keras.backend.backend() == "jax" and _xla_cpu()
+
+
 def compiler_options(rows, layers=()):
     """XLA's options for compiling a search of `rows` rows (sources × beams) of a model of
     `layers` under JAX on the CPU: YNNPACK off for at most 16 rows unless a layer is
@@ -48,7 +55,7 @@ def compiler_options(rows, layers=()):
     YNNPACK's int8 kernels (`quantize("int8")`, 16 rows: 792 tokens/s with them, 138
     without). A JAX whose XLA lacks the option compiles with its defaults.
     """
-    if (rows > _FEW_ROWS or keras.backend.backend() != "jax" or not _xla_cpu()
+    if (not _few_rows_under_jax_on_the_cpu(rows)
             or any(getattr(layer, "quantization_mode", None) for layer in layers)):
         return None
     return _NO_YNN if _knows_options(tuple(_NO_YNN)) else None
@@ -201,7 +208,7 @@ def transposed_tables(layers, rows):
     transpose inside the compiled search back into the product, so the copy (as much memory
     as the table again) is made outside it, once per table value.
     """
-    if rows > _FEW_ROWS or keras.backend.backend() != "jax" or not _xla_cpu():
+    if not _few_rows_under_jax_on_the_cpu(rows):
         return []
     return [layer for layer in layers
             if type(layer) is keras.layers.ReversibleEmbedding and layer.built

@@ -392,13 +392,13 @@ def _compile(model, search, static_shapes=False, beams=1, tables=()):
 
             return jax.jit(stateless, compiler_options=options)
 
-        compiled = {}  # (XLA's options, the layers transposing) -> the jitted search
+        compiled = {}  # (options or not, tables transposed or not) -> the jitted search
 
         def run(*inputs):
             rows = inputs[0].shape[0] * beams
             options = compiler_options(rows, model._flatten_layers())
             transposing = transposed_tables(tables, rows)
-            key = (tuple(sorted((options or {}).items())), tuple(map(id, transposing)))
+            key = (options is not None, bool(transposing))  # (both follow from `rows`)
             if key not in compiled:
                 compiled[key] = jitted(options, transposing)
             return compiled[key]([v.value for v in variables],
