@@ -144,6 +144,32 @@ def cache_spec(cache):
     return keras.KerasTensor(cache.shape, dtype=cache.dtype)
 
 
+def fold_query_rows(query, keys, attention_mask=None):
+    """`query (R, T, D)` (and an `attention_mask` `(R, T, S)` or `(T, S)`) folded for a
+    context cache of fewer rows, `keys (B, H, S, d)` with `R = m·B`: `(B, m·T, D)` (and
+    `(B, m·T, S)`), query rows `b·m … b·m + m - 1` as the query positions of cache row `b`.
+
+    Each query position attends to the keys on its own, so the fold changes no number; it lets
+    beam search keep one cross-attention cache row per source for its `m` beams (instead of
+    repeating each `m` times: `m` times the memory, read at every step). With `R = B` it
+    changes nothing (shapes known at run time only are folded the same way)."""
+    rows, sources = query.shape[0], keys.shape[0]
+    if rows is not None and sources is not None and rows % sources:
+        raise ValueError(f"A context cache of {sources} rows serves a query of a multiple of "
+                         f"{sources} rows; received {rows} query rows.")
+    sources = ops.shape(keys)[0]
+    if attention_mask is not None:
+        attention_mask = ops.reshape(
+            ops.broadcast_to(attention_mask, ops.shape(query)[:2] + ops.shape(keys)[2:3]),
+            (sources, -1, ops.shape(keys)[2]))
+    return ops.reshape(query, (sources, -1, query.shape[2])), attention_mask
+
+
+def unfold_query_rows(output, query):
+    """The output `(B, m·T, D')` of a folded query (`fold_query_rows`) as `(R, T, D')`."""
+    return ops.reshape(output, ops.shape(query)[:2] + (output.shape[-1],))
+
+
 def _heads_first(x):
     """Keys or values `(B, S, H, d)` as a cache holds them, `(B, H, S, d)`; stacked ones
     `(B, 2, S, H, d)` as `(B, 2, H, S, d)`."""
@@ -490,7 +516,10 @@ class CrossAttention(_MultiHeadAttentionBase):
         return_attention_scores: also return the attention weights `(B, H, T, S)`.
         context_cache: optional `compute_context_cache(context)` (or its `(keys, values)`
             pair, `cache[:, 0]` and `cache[:, 1]`), used instead of `context` (cached decoding
-            computes the encoder's keys and values once per source batch).
+            computes the encoder's keys and values once per source batch). It may have fewer
+            rows than `query`, `R = m·B` against `B`: query rows `b·m … b·m + m - 1` then
+            attend to cache row `b` (and `context_mask` row `b`), as beam search's beams of
+            a source do.
         query_mask, context_mask: Keras masks `(B, T)`, `(B, S)`; filled in by Keras (pass
             `context_mask` yourself with a `context_cache`).
 
@@ -527,20 +556,34 @@ class CrossAttention(_MultiHeadAttentionBase):
              return_attention_scores=False, context_cache=None, query_mask=None,
              context_mask=None):
         check_rank(self, "query", query.shape, 3)
-        heads_first = context_cache is not None
-        if heads_first:
-            keys, values = cache_keys_values(context_cache)  # (B, H, S, d)
-        elif context is None:
+        if context_cache is not None:
+            return self._call_cached(query, attention_mask, training, return_attention_scores,
+                                     context_cache, context_mask)
+        if context is None:
             raise ValueError(f"{self.name}: pass `context` or `context_cache`.")
-        else:
-            check_rank(self, "context", context.shape, 3)
-            check_same_batch(self, "query", query.shape, "context", context.shape)
-            keys, values = self._project_context(context)
-        merged = masks_lib.merge_masks(query, keys[:, 0] if heads_first else keys,
-                                       key_padding_mask=context_mask,
+        check_rank(self, "context", context.shape, 3)
+        check_same_batch(self, "query", query.shape, "context", context.shape)
+        keys, values = self._project_context(context)
+        merged = masks_lib.merge_masks(query, keys, key_padding_mask=context_mask,
                                        attention_mask=attention_mask)
-        return self._attend(query, keys, values, merged, training, return_attention_scores,
-                            heads_first=heads_first)
+        return self._attend(query, keys, values, merged, training, return_attention_scores)
+
+    def _call_cached(self, query, attention_mask, training, return_attention_scores,
+                     context_cache, context_mask):
+        """Attend over a context cache of `B` rows from `m·B` query rows (`fold_query_rows`)."""
+        keys, values = cache_keys_values(context_cache)  # (B, H, S, d)
+        folded, attention_mask = fold_query_rows(query, keys, attention_mask)
+        merged = masks_lib.merge_masks(folded, keys[:, 0], key_padding_mask=context_mask,
+                                       attention_mask=attention_mask)
+        result = self._attend(folded, keys, values, merged, training, return_attention_scores,
+                              heads_first=True)
+        if not return_attention_scores:
+            return unfold_query_rows(result, query)
+        output, scores = result  # (B, H, m·T, S) -> (m·B, H, T, S)
+        heads, length, keys_length = scores.shape[1], ops.shape(query)[1], ops.shape(keys)[2]
+        scores = ops.reshape(scores, (ops.shape(keys)[0], heads, -1, length, keys_length))
+        scores = ops.reshape(ops.swapaxes(scores, 1, 2), (-1, heads, length, keys_length))
+        return unfold_query_rows(output, query), scores
 
     def compute_output_spec(self, query, context=None, attention_mask=None, training=None,
                             return_attention_scores=False, context_cache=None, query_mask=None,

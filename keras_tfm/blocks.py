@@ -251,7 +251,8 @@ class TransformerDecoderBlock(_TransformerBlockBase):
         self_attention_cache_update_index: position of `inputs[:, 0]` in the cache.
         cross_attention_cache: `block.cross_attention.compute_context_cache(encoder_outputs)`
             (or its `(keys, values)` pair), computed once per source batch and used instead of
-            `encoder_outputs` (then pass `encoder_outputs_mask` yourself).
+            `encoder_outputs` (then pass `encoder_outputs_mask` yourself). It may have one row
+            per `m` rows of `inputs` (beams of a source; see `CrossAttention`).
         inputs_mask, encoder_outputs_mask: Keras masks `(B, T)`, `(B, S)`; filled in by Keras.
 
     Returns:

@@ -115,17 +115,11 @@ class Seq2SeqParts:
             x = call_layer(self.encoder_norm, x)
         return x, mask
 
-    def cross_attention_caches(self, encoder_outputs, repeats=1):
-        """Each decoder block's cross-attention keys and values `(B * repeats, H, S, d)`, a
-        pair per block, split once here (see `cache_keys_values`); each row repeated
-        `repeats` times (the beams of a source)."""
-        caches = []
-        for block in self.decoder_blocks:
-            cache = block.cross_attention.compute_context_cache(encoder_outputs)
-            if repeats > 1:
-                cache = ops.repeat(cache, repeats, axis=0)
-            caches.append(cache_keys_values(cache))
-        return caches
+    def cross_attention_caches(self, encoder_outputs):
+        """Each decoder block's cross-attention keys and values `(B, H, S, d)`, a pair per
+        block, split once here (see `cache_keys_values`)."""
+        return [cache_keys_values(block.cross_attention.compute_context_cache(encoder_outputs))
+                for block in self.decoder_blocks]
 
     def empty_self_attention_caches(self, batch_size, max_length):
         return [block.self_attention._empty_cache(batch_size, max_length, block.compute_dtype)
@@ -261,10 +255,9 @@ def _beam_search(parts, source, start_id, end_id, max_length, beam_size, alpha, 
     batch, k = ops.shape(source)[0], beam_size
     length = max_length + 1
     encoder_outputs, source_mask = parts.encode(source)
-    # Beams are folded into the batch: row b * k + j is beam j of source b. The cross-attention
-    # keys and values are projected once per source, then repeated (not projected k times).
-    cross = parts.cross_attention_caches(encoder_outputs, repeats=k)
-    source_mask = ops.repeat(source_mask, k, axis=0)
+    # Beams are folded into the batch: row b * k + j is beam j of source b. The k beams of a
+    # source share its cross-attention keys and values (`fold_query_rows`): one row, not k.
+    cross = parts.cross_attention_caches(encoder_outputs)
     caches = parts.empty_self_attention_caches(batch * k, max_length)
 
     alive_seq = ops.concatenate([ops.full((batch, k, 1), start_id, "int32"),

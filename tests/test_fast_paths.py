@@ -8,7 +8,8 @@ the padding token from a step's logits in place, and keeps freed memory;
 JAX takes its own argmax and top-k, and in searches of a few rows on the CPU the tied logits
 against a transposed copy of the table; under XLA on the CPU a self-attention step projects its
 queries, keys and values by one product; TensorFlow traces alike blocks once and, in its graph,
-takes a tied table's logits as `(table · hiddenᵀ)ᵀ`. Each test compares
+takes a tied table's logits as `(table · hiddenᵀ)ᵀ`; beams share their source's
+cross-attention cache row. Each test compares
 against the plain path (every layer through Keras's `__call__`, functional cache updates) or
 NumPy.
 """
@@ -506,6 +507,52 @@ def test_alike_blocks_run_through_one_trace(xla):
         got = search(x)
     for g, e in zip(got, expected):
         np.testing.assert_allclose(to_np(g), e, atol=1e-5)
+
+
+def test_query_rows_share_a_context_cache_row(monkeypatch):
+    """A context cache of B rows serves m·B query rows (beam search's beams of a source share
+    their source's cross-attention keys and values): query rows b·m … b·m + m - 1 attend to
+    cache row b, with its padding mask, as over the cache repeated m times. Checked through
+    Keras's `__call__` (two query positions a row, a 3-D and a 2-D `attention_mask`, the
+    weights) and inside `direct_calls()` (PyTorch's cross-attention plan, its `call` not
+    reached); a query batch that is no multiple of the cache's is refused."""
+    sources, m = 3, 4
+    rng = np.random.default_rng(7)
+    context = ops.convert_to_tensor(rng.normal(size=(sources, 6, 16)), "float32")
+    pad = np.ones((sources, 6), bool)
+    pad[0, 4:] = False
+    pad[2, :] = False  # a source of padding alone
+    allowed = rng.random((sources * m, 2, 6)) < 0.7
+    for name, layer in _attention_layers():
+        if name.startswith("self"):
+            continue
+        layer(ops.zeros((sources, 1, 16)), context)
+        for weight in layer.weights:
+            weight.assign(rng.normal(0.0, 0.5, weight.shape).astype("float32"))
+        cache = layer.compute_context_cache(context)
+        repeated = ops.repeat(cache, m, axis=0)
+        mask, repeated_mask = ops.convert_to_tensor(pad), ops.convert_to_tensor(np.repeat(pad, m, 0))
+        x = ops.convert_to_tensor(rng.normal(size=(sources * m, 2, 16)), "float32")
+        for attention_mask in (None, allowed, allowed[0]):
+            got, scores = layer(x, context_cache=cache, context_mask=mask,
+                                attention_mask=attention_mask, return_attention_scores=True)
+            want, want_scores = layer(x, context_cache=repeated, context_mask=repeated_mask,
+                                      attention_mask=attention_mask,
+                                      return_attention_scores=True)
+            np.testing.assert_allclose(to_np(got), to_np(want), atol=1e-5, err_msg=name)
+            np.testing.assert_allclose(to_np(scores), to_np(want_scores), atol=1e-6,
+                                       err_msg=name)
+        step = x[:, :1]
+        want = to_np(layer(step, context_cache=repeated, context_mask=repeated_mask))
+        assert np.abs(want[0] - want[m]).max() > 0.1  # rows of two sources differ
+        with _backend.direct_calls(), _generation_grad_mode(), monkeypatch.context() as patch:
+            if BACKEND == "torch":
+                patch.setattr(layer, "call", _not_called)
+            got = _backend.call_layer(layer, step, context_cache=cache_keys_values(cache),
+                                      context_mask=mask)
+        np.testing.assert_allclose(to_np(got), want, atol=1e-5, err_msg=name)
+        with pytest.raises(ValueError, match="multiple of 3 rows; received 5"):
+            layer(x[:5], context_cache=cache, context_mask=mask)
 
 
 def _copied(kwargs):

@@ -270,7 +270,7 @@ class FixedDistribution:
     def encode(self, source):
         return ops.zeros(tuple(source.shape) + (1,)), ops.ones(source.shape, "bool")
 
-    def cross_attention_caches(self, encoder_outputs, repeats=1):
+    def cross_attention_caches(self, encoder_outputs):
         return []
 
     def empty_self_attention_caches(self, batch_size, max_length):
