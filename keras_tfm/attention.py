@@ -158,7 +158,8 @@ def fold_query_rows(query, keys, attention_mask=None):
         raise ValueError(f"A context cache of {sources} rows serves a query of a multiple of "
                          f"{sources} rows; received {rows} query rows.")
     sources = ops.shape(keys)[0]
-    if attention_mask is not None:
+    if attention_mask is not None:  # (its shape checked as the query's, before the fold)
+        attention_mask = masks_lib.check_attention_mask(attention_mask, query, keys[:, 0])
         attention_mask = ops.reshape(
             ops.broadcast_to(attention_mask, ops.shape(query)[:2] + ops.shape(keys)[2:3]),
             (sources, -1, ops.shape(keys)[2]))

@@ -531,7 +531,8 @@ def test_query_rows_share_a_context_cache_row(monkeypatch):
             weight.assign(rng.normal(0.0, 0.5, weight.shape).astype("float32"))
         cache = layer.compute_context_cache(context)
         repeated = ops.repeat(cache, m, axis=0)
-        mask, repeated_mask = ops.convert_to_tensor(pad), ops.convert_to_tensor(np.repeat(pad, m, 0))
+        mask = ops.convert_to_tensor(pad)
+        repeated_mask = ops.convert_to_tensor(np.repeat(pad, m, 0))
         x = ops.convert_to_tensor(rng.normal(size=(sources * m, 2, 16)), "float32")
         for attention_mask in (None, allowed, allowed[0]):
             got, scores = layer(x, context_cache=cache, context_mask=mask,
@@ -553,6 +554,8 @@ def test_query_rows_share_a_context_cache_row(monkeypatch):
         np.testing.assert_allclose(to_np(got), want, atol=1e-5, err_msg=name)
         with pytest.raises(ValueError, match="multiple of 3 rows; received 5"):
             layer(x[:5], context_cache=cache, context_mask=mask)
+        with pytest.raises(ValueError, match="padding mask"):  # (B, S) for a (B, T, S) mask
+            layer(x, context_cache=cache, attention_mask=np.repeat(pad, m, 0))
 
 
 def _copied(kwargs):
