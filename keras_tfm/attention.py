@@ -154,7 +154,7 @@ def fold_query_rows(query, keys, attention_mask=None):
     repeating each `m` times: `m` times the memory, read at every step). With `R = B` it
     changes nothing (shapes known at run time only are folded the same way)."""
     rows, sources = query.shape[0], keys.shape[0]
-    if rows is not None and sources is not None and rows % sources:
+    if rows is not None and sources is not None and (rows % sources if sources else rows):
         raise ValueError(f"A context cache of {sources} rows serves a query of a multiple of "
                          f"{sources} rows; received {rows} query rows.")
     sources = ops.shape(keys)[0]

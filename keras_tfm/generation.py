@@ -391,7 +391,7 @@ def _compile(model, search, static_shapes=False, beams=1, tables=()):
             rows = inputs[0].shape[0] * beams
             options = compiler_options(rows, model._flatten_layers())
             transposing = transposed_tables(tables, rows)
-            key = (options is not None, bool(transposing))  # (both follow from `rows`)
+            key = (options is not None, bool(transposing))  # (rows and quantization decide)
             if key not in compiled:
                 compiled[key] = jitted(options, transposing)
             return compiled[key]([v.value for v in variables],
