@@ -15,7 +15,7 @@ greedy, batch 16 beam 4 (and 64 greedy with `--batch64`), each exactly 32 new to
 `min_new_tokens`, CTranslate2 `min_decoding_length`, keras_tfm `end_id=None`), median of
 `--repeats` after a warm-up, and batch 1 greedy with 128 new tokens; decoding time against
 the number of new tokens (linear when 128 tokens take at most 4× the time of 32) from
-`LINEAR_REPEATS` batch-1 calls of 32 and of 128 tokens taken in turns; and the two
+`LINEAR_REPEATS` turns of a batch-1 call of 32 and one of 128 tokens (the median ratio); and the two
 stream cells, run first, wall time with compilation: `--stream` sources of
 random lengths 5-60, one call each, then the same sources in batches of 16 of mixed lengths
 (transformers and CTranslate2 one call per batch; keras_tfm one `generate(...,
@@ -467,10 +467,13 @@ def ratios(results):
 
 
 def linearity(result):
-    """Seconds for LONG new tokens over seconds for NEW_TOKENS, batch 1 greedy: medians of
-    the `LINEAR_REPEATS` calls of each, taken in turns."""
+    """Seconds for LONG new tokens over seconds for NEW_TOKENS, batch 1 greedy: the median
+    over the `LINEAR_REPEATS` turns of each turn's ratio (its two calls run back to back;
+    a ratio of the two medians read the VM's drift across turns as growth: JAX, 12-05, 4.30
+    against 3.81, its calls slower in the later turns)."""
     turns = result["linearity_seconds"]
-    return statistics.median(turns[str(LONG)]) / statistics.median(turns[str(NEW_TOKENS)])
+    return statistics.median(long / short for short, long
+                             in zip(turns[str(NEW_TOKENS)], turns[str(LONG)]))
 
 
 def table(results):
