@@ -515,7 +515,8 @@ def test_query_rows_share_a_context_cache_row(monkeypatch):
     cache row b, with its padding mask, as over the cache repeated m times. Checked through
     Keras's `__call__` (two query positions a row, a 3-D and a 2-D `attention_mask`, the
     weights) and inside `direct_calls()` (PyTorch's cross-attention plan, its `call` not
-    reached); a query batch that is no multiple of the cache's is refused."""
+    reached); a query batch that is no multiple of the cache's is refused, and a padding mask
+    passed as `attention_mask` gets the masks module's hint."""
     sources, m = 3, 4
     rng = np.random.default_rng(7)
     context = ops.convert_to_tensor(rng.normal(size=(sources, 6, 16)), "float32")
