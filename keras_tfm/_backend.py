@@ -29,6 +29,7 @@ def _xla_cpu():
 
 _FEW_ROWS = 16  # the most rows (sources × beams) of a search compiled without YNNPACK
 _NO_YNN = {"xla_cpu_experimental_ynn_fusion_type": ""}
+_LLVM_LEVEL_1 = {"xla_backend_optimization_level": 1}
 
 
 def _few_rows_under_jax_on_the_cpu(rows):
@@ -40,11 +41,21 @@ def _few_rows_under_jax_on_the_cpu(rows):
 
 def compiler_options(rows, layers=()):
     """XLA's options for compiling a search of `rows` rows (sources × beams) of a model of
-    `layers` under JAX on the CPU: YNNPACK off for at most 16 rows unless a layer is
-    quantized, else (and on other backends) None.
+    `layers` under JAX on the CPU: LLVM's optimization level 1, and YNNPACK off for at most 16
+    rows unless a layer is quantized; on other backends None.
 
-    XLA's CPU compiler hands matrix products, with the element-wise work around them, to
-    YNNPACK's kernels. In a search of a few rows those ran slower than XLA's own (Eigen's)
+    XLA's CPU compiler emits its own kernels (the element-wise fusions, reductions, gathers,
+    top-k) through LLVM, at optimization level 2 by default, and a search has a few dozen of
+    them; at level 1 it compiles faster and ran as fast or faster. Measured on a 2-core AMD
+    EPYC (Zen 2), opus-mt-base, 32 new tokens, jax 0.10.2, three pairs of processes in turns
+    (first call less the warm median; warm median of 5), level 2 / level 1: compile at one row
+    3.4-4.0 / 2.6-2.9 s, 16 rows 3.1-3.4 / 2.2-2.8, 16 sources × beam 4 3.4-4.2 / 3.1-3.3, 64
+    rows 3.3-4.0 / 2.1-3.6; warm one row 0.33-0.35 / 0.29-0.31 s, 16 rows 1.03-1.18 /
+    0.98-1.03, beam 3.01-3.12 / 2.56-2.62, 64 rows 2.80-3.30 / 2.70-2.87; a 2-layer model of
+    width 16 (compilation alone) 2.1-2.3 / 1.4-1.5 s.
+
+    XLA hands matrix products, with the element-wise work around them, to YNNPACK's kernels.
+    In a search of a few rows those ran slower than XLA's own (Eigen's)
     products, against weights read afresh from memory at every step. Measured with the tied
     logits against a transposed table (`transposed_tables`, which Eigen needs: without it 4
     rows took 2.3-2.7 s), opus-mt-base, 32 new tokens, jax 0.10.2, 2-core AMD EPYC, in turns,
@@ -53,21 +64,25 @@ def compiler_options(rows, layers=()):
     hour 0.33-0.42 / 0.26-0.30); from 24 rows YNNPACK is faster (24 rows 1.29 / 1.70, 32 rows
     1.60 / 1.94, 64 rows 2.2 / 2.9, 8 sources × beam 4 1.55 / 1.86). Quantized products need
     YNNPACK's int8 kernels (`quantize("int8")`, 16 rows: 792 tokens/s with them, 138
-    without). A JAX whose XLA lacks the option compiles with its defaults.
+    without). An option this JAX's XLA lacks is left out (its default then).
     """
-    if (not _few_rows_under_jax_on_the_cpu(rows)
-            or any(getattr(layer, "quantization_mode", None) for layer in layers)):
+    if keras.backend.backend() != "jax" or not _xla_cpu():
         return None
-    return _NO_YNN if _knows_options(tuple(_NO_YNN)) else None
+    options = dict(_LLVM_LEVEL_1) if _knows_options(tuple(_LLVM_LEVEL_1.items())) else {}
+    if (_few_rows_under_jax_on_the_cpu(rows) and _knows_options(tuple(_NO_YNN.items()))
+            and not any(getattr(layer, "quantization_mode", None) for layer in layers)):
+        options |= _NO_YNN
+    return options or None
 
 
 @functools.lru_cache(maxsize=None)
-def _knows_options(names):
-    """Whether this JAX's XLA accepts the compile options `names` (it refuses unknown ones)."""
+def _knows_options(items):
+    """Whether this JAX's XLA accepts the compile options `items` ((name, value) pairs; it
+    refuses unknown ones)."""
     import jax
 
     try:
-        jax.jit(lambda x: x, compiler_options=dict.fromkeys(names, "")).lower(0).compile()
+        jax.jit(lambda x: x, compiler_options=dict(items)).lower(0).compile()
     except Exception:  # an XLA without one of them (a JaxRuntimeError of INVALID_ARGUMENT)
         return False
     return True

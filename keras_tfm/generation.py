@@ -348,7 +348,8 @@ def _compile(model, search, static_shapes=False, beams=1, tables=()):
 
     The one backend-specific piece of generation: JAX jit-compiles with the model's variables
     passed in (a StatelessScope), so later weight updates are seen without recompiling, and
-    on the CPU a search of at most 16 rows without YNNPACK (`compiler_options`) and with the
+    on the CPU at LLVM's optimization level 1, a search of at most 16 rows without YNNPACK
+    (`compiler_options`) and with the
     logits of the tied tables `tables` against transposed copies (`transposed_tables`);
     TensorFlow traces a tf.function without AutoGraph (variables are read live); PyTorch runs
     eagerly without autograd, with glibc asked to keep freed memory (`keep_freed_memory`).
@@ -391,7 +392,7 @@ def _compile(model, search, static_shapes=False, beams=1, tables=()):
             rows = inputs[0].shape[0] * beams
             options = compiler_options(rows, model._flatten_layers())
             transposing = transposed_tables(tables, rows)
-            key = (options is not None, bool(transposing))  # (rows and quantization decide)
+            key = (frozenset((options or {}).items()), bool(transposing))  # (rows, quantization)
             if key not in compiled:
                 compiled[key] = jitted(options, transposing)
             return compiled[key]([v.value for v in variables],

@@ -202,17 +202,22 @@ def test_generation_holds_caches_as_pairs_but_one_row_under_xla_on_the_cpu(rows)
 def test_few_row_searches_under_jax_take_tied_logits_against_a_transposed_table(rows):
     """Under JAX on the CPU a search of at most 16 rows takes a tied table's logits against a
     transposed copy made outside the compiled search, once per table value, and is compiled
-    without YNNPACK unless a layer is quantized. (Its tokens and scores: the plain-path tests above, at 1, 3 and 9
-    rows, and after weights change.)"""
+    without YNNPACK unless a layer is quantized; every search under JAX on the CPU compiles
+    at LLVM's optimization level 1. (Its tokens and scores: the plain-path tests above, at 1,
+    3 and 9 rows, and after weights change.)"""
     model = marian_like()
     layer = model.get_layer("shared_embedding").token_embedding
-    few = BACKEND == "jax" and _cpu_only() and rows <= 16
+    xla_cpu = BACKEND == "jax" and _cpu_only()
+    few = xla_cpu and rows <= 16
     assert _backend.transposed_tables([layer], rows) == ([layer] if few else [])
-    assert (_backend.compiler_options(rows, model._flatten_layers()) is not None) == few
+    level = _backend._LLVM_LEVEL_1 if xla_cpu else {}
+    expected = (level | (_backend._NO_YNN if few else {})) or None
+    assert _backend.compiler_options(rows, model._flatten_layers()) == expected
     quantized = keras.layers.Dense(4)
     quantized.build((None, 8))
-    quantized.quantize("int8")  # int8 products want YNNPACK's kernels: options stay None
-    assert _backend.compiler_options(rows, [*model._flatten_layers(), quantized]) is None
+    quantized.quantize("int8")  # int8 products want YNNPACK's kernels: it stays on
+    assert _backend.compiler_options(rows, [*model._flatten_layers(), quantized]) == (
+        level or None)
     if BACKEND != "jax":
         return  # (elsewhere a variable's value is the variable itself: no copy is kept)
     transposed = _backend.transposed_table(layer)
@@ -224,11 +229,13 @@ def test_few_row_searches_under_jax_take_tied_logits_against_a_transposed_table(
 
 
 @pytest.mark.skipif(BACKEND != "jax", reason="JAX's compile options")
-def test_the_installed_xla_accepts_the_option_that_turns_ynnpack_off():
-    """If a JAX update drops the option, searches compile with its defaults (no error): this
-    test says so, so that the few-row timings in `compiler_options` are measured again."""
-    assert _backend._knows_options(tuple(_backend._NO_YNN))
-    assert not _backend._knows_options(("xla_cpu_no_such_option",))
+def test_the_installed_xla_accepts_the_search_compile_options():
+    """If a JAX update drops an option (YNNPACK off, LLVM's level 1), searches compile with its
+    defaults (no error): this test says so, so that the timings in `compiler_options` are
+    measured again."""
+    assert _backend._knows_options(tuple(_backend._NO_YNN.items()))
+    assert _backend._knows_options(tuple(_backend._LLVM_LEVEL_1.items()))
+    assert not _backend._knows_options((("xla_cpu_no_such_option", ""),))
 
 
 def _generation_grad_mode():
