@@ -439,14 +439,27 @@ def _compile(model, search, static_shapes=False, beams=1, tables=()):
 _MAX_COMPILED = 8  # compiled searches kept per model (settings), least recently used dropped
 
 
+_POWERS_OF_TWO = [2 ** n for n in range(3, 31)]  # "auto" length buckets: 8, 16, 32, 64, …
+_FINE_BUCKETS = sorted(_POWERS_OF_TWO + [3 * b // 2 for b in _POWERS_OF_TWO])  # 8, 12, 16, 24, …
+_FINE_BUCKET_ROWS = 16  # "auto" takes `_FINE_BUCKETS` for searches of at least this many rows
+
+
 def _bucket_sources(source_tokens, length_buckets, pad_id, encoder_embedding, rows):
     """The sources right-padded with `pad_id` to the smallest bucket that holds them, so that a
     search compiled per shape retraces once per bucket, not per source length. Padding is
-    masked, so the tokens cannot change. "auto": powers of two from 8 where the search of
-    `rows` rows (a chunk's sources × beams) compiles per shape (`_compiles_per_shape`: JAX,
-    TensorFlow's XLA); none under TensorFlow's one graph of unknown dimensions, which serves
-    every shape, and none under PyTorch (eager): there padding would only add work. No bucket
-    exceeds a learned position table; a source longer than every bucket stays as it is.
+    masked, so the tokens cannot change. "auto" pads where the search of `rows` rows (a
+    chunk's sources × beams) compiles per shape (`_compiles_per_shape`: JAX, TensorFlow's
+    XLA): to powers of two from 8, and from `_FINE_BUCKET_ROWS` rows to those and their
+    halfway points (8, 12, 16, 24, 32, 48, …: at most a third of a padded source is padding,
+    against a half). At many rows the encoder's products (and the cross-attention keys and
+    values) grow with the padding, at a few rows a step's cost is reading the weights, and
+    each bucket is one more compilation. Measured under JAX, opus-mt-base, sources of 24
+    tokens padded to 24 or 32, 32 new tokens, two models in one process in turns, medians of 5
+    (2-core AMD EPYC): 16 rows 1.10 → 1.05 s, 64 rows 2.79 → 2.63, 16 sources × beam 4 3.14 →
+    2.99; 1, 2, 4 and 8 rows and 1 source × beam 4 level. None under TensorFlow's one graph of
+    unknown dimensions, which serves every shape, and none under PyTorch (eager): there padding
+    would only add work. No bucket exceeds a learned position table; a source longer than
+    every bucket stays as it is.
     """
     auto = isinstance(length_buckets, str) and length_buckets == AUTO
     if not auto and length_buckets is not None and not (
@@ -457,7 +470,7 @@ def _bucket_sources(source_tokens, length_buckets, pad_id, encoder_embedding, ro
         raise ValueError('`length_buckets` must be "auto", None or an increasing sequence of '
                          f"positive ints; received length_buckets={length_buckets!r}.")
     if auto and _compiles_per_shape(rows):
-        length_buckets = [2 ** n for n in range(3, 31)]
+        length_buckets = _FINE_BUCKETS if rows >= _FINE_BUCKET_ROWS else _POWERS_OF_TWO
     elif auto or length_buckets is None:
         return source_tokens
     width = source_tokens.shape[1]

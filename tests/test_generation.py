@@ -425,13 +425,13 @@ def test_searches_of_xla_rows_or_more_compile_per_bucket(monkeypatch):
         np.testing.assert_allclose(whole[1], small[1], atol=1e-5)
     generation._COMPILED.pop(model, None)
     traces = record_traces(monkeypatch, "_greedy_search")
-    for length in (3, 9, 12):  # buckets 8, 16, 16
+    for length in (3, 9, 12):  # buckets 8, 12, 12 (from 16 rows "auto" has halfway buckets)
         generate(model, sources(length, batch=17, length=length), SOS, EOS, 4)
     generate(model, sources(2, batch=16), SOS, EOS, 4)  # 16 rows: below the bar
     if BACKEND == "jax":
-        assert traces == [(17, 8), (17, 16), (16, 16)]
+        assert traces == [(17, 8), (17, 12), (16, 12)]
     elif BACKEND == "tensorflow":  # XLA per shape, then the graph of unknown dimensions
-        assert traces == [(17, 8), (17, 16), (None, None)]
+        assert traces == [(17, 8), (17, 12), (None, None)]
     else:  # torch runs eagerly, no padding
         assert traces == [(17, 3), (17, 9), (17, 12), (16, 9)]
 
@@ -450,10 +450,13 @@ def test_bucket_padding_and_its_limits():
     assert generation._bucket_sources(src, (16,), 0, learned.encoder_embedding, 3) is src
     assert generation._bucket_sources(src, (10, 16), 0, learned.encoder_embedding, 3).shape == (
         3, 10)
-    for rows in (3, generation._XLA_ROWS):  # "auto": buckets where such searches compile
+    # "auto": buckets where such searches compile; powers of two, and from 16 rows their
+    # halfway points too (9 -> 16 or 12)
+    for rows, width in ((3, 16), (generation._FINE_BUCKET_ROWS, 12), (generation._XLA_ROWS, 12)):
         auto = generation._bucket_sources(src, "auto", 0, embedding, rows)
-        per_shape = BACKEND == "jax" or (BACKEND == "tensorflow" and rows == generation._XLA_ROWS)
-        assert auto.shape == ((3, 16) if per_shape else (3, 9))
+        per_shape = BACKEND == "jax" or (BACKEND == "tensorflow" and rows >= generation._XLA_ROWS)
+        assert auto.shape == ((3, width) if per_shape else (3, 9))
+    assert generation._FINE_BUCKETS[:8] == [8, 12, 16, 24, 32, 48, 64, 96]
     for bad in ((16, 8), (0, 8), "powers", (8.0,), ()):
         with pytest.raises(ValueError, match="length_buckets.*increasing sequence"):
             generate(model, src, SOS, EOS, 3, length_buckets=bad)
