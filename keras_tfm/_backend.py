@@ -42,7 +42,7 @@ def _few_rows_under_jax_on_the_cpu(rows):
 def compiler_options(rows, layers=()):
     """XLA's options for compiling a search of `rows` rows (sources × beams) of a model of
     `layers` under JAX on the CPU: LLVM's optimization level 1, and YNNPACK off for at most 16
-    rows unless a layer is quantized; on other backends None.
+    rows unless a layer is quantized; elsewhere (other backends, JAX on a GPU) None.
 
     XLA's CPU compiler emits its own kernels (the element-wise fusions, reductions, gathers,
     top-k) through LLVM, at optimization level 2 by default, and a search has a few dozen of

@@ -584,10 +584,11 @@ def generate(model, source_tokens, start_id=AUTO, end_id=AUTO, max_length=None, 
         length_buckets: source lengths the sources are right-padded up to (the smallest that
             holds them), so that a search compiled per shape compiles once per bucket rather
             than once per source length; the padding is masked and cannot change the tokens.
-            "auto": 8, 16, 32, 64, ... under JAX, and under TensorFlow when a chunk has 8 rows
-            or more (sources × beams: TensorFlow compiles those with XLA); otherwise none
-            (TensorFlow's one graph of unknown lengths serves all; PyTorch is eager); None:
-            no padding; or an increasing sequence of positive ints.
+            "auto": 8, 16, 32, 64, ... (from 16 rows a chunk, sources × beams, also 12, 24,
+            48, ...) under JAX, and under TensorFlow when a chunk has 17 rows or more
+            (TensorFlow compiles those with XLA); otherwise none (TensorFlow's one graph of
+            unknown lengths serves all; PyTorch is eager); None: no padding; or an
+            increasing sequence of positive ints.
 
     Returns:
         NumPy int32 tokens `(B, L)` with `L ≤ max_length` (the longest sequence; no `<SOS>`,
