@@ -349,8 +349,8 @@ def _compile(model, search, static_shapes=False, beams=1, tables=()):
     The one backend-specific piece of generation: JAX jit-compiles with the model's variables
     passed in (a StatelessScope), so later weight updates are seen without recompiling, and
     on the CPU at LLVM's optimization level 1, a search of at most 16 rows without YNNPACK
-    (`compiler_options`) and with the
-    logits of the tied tables `tables` against transposed copies (`transposed_tables`);
+    (`compiler_options`) and with the logits of the tied tables `tables` against transposed
+    copies (`transposed_tables`);
     TensorFlow traces a tf.function without AutoGraph (variables are read live); PyTorch runs
     eagerly without autograd, with glibc asked to keep freed memory (`keep_freed_memory`).
     JAX retraces for each new input shape. TensorFlow with `static_shapes` (a search whose
