@@ -34,7 +34,7 @@ _LLVM_LEVEL_1 = {"xla_backend_optimization_level": 1}
 
 def _few_rows_under_jax_on_the_cpu(rows):
     """Whether a search of `rows` rows (sources × beams) is one that `compiler_options` and
-    `transposed_tables` change: at most `_FEW_ROWS` rows, under JAX on the CPU (the two need
+    `transposed_weights` change: at most `_FEW_ROWS` rows, under JAX on the CPU (the two need
     each other: see there)."""
     return rows <= _FEW_ROWS and keras.backend.backend() == "jax" and _xla_cpu()
 
@@ -57,7 +57,7 @@ def compiler_options(rows, layers=()):
     XLA hands matrix products, with the element-wise work around them, to YNNPACK's kernels.
     In a search of a few rows those ran slower than XLA's own (Eigen's)
     products, against weights read afresh from memory at every step. Measured with the tied
-    logits against a transposed table (`transposed_tables`, which Eigen needs: without it 4
+    logits against a transposed table (`transposed_weights`, which Eigen needs: without it 4
     rows took 2.3-2.7 s), opus-mt-base, 32 new tokens, jax 0.10.2, 2-core AMD EPYC, in turns,
     tokens equal; with YNNPACK / without: 4 rows 0.55 / 0.35 s, 8 rows 0.73 / 0.52, 16 rows
     1.00 / 0.77, 4 sources × beam 4 1.00 / 0.73, one row level (0.21 / 0.22; in a noisier
@@ -146,22 +146,22 @@ def _torch_direct():
 
 
 @contextlib.contextmanager
-def direct_calls(xla=False, tables=None):
+def direct_calls(xla=False, transposed=None):
     """Within this scope, `call_layer` runs built layers' `call` directly (see there).
 
     Generation enters it around its search: the layers are built, inputs are tensors of the
     compute dtype, masks and `training` are passed explicitly, and no layer is rebuilt,
     quantized or given new variables until the scope ends (how each layer is called is
     decided once per scope). `xla`: the scope is traced by TensorFlow for XLA (`_xla_cpu`).
-    `tables`: `{layer: its table transposed}` for the layers of `transposed_tables` (JAX).
+    `transposed`: `{layer: transposed_weight(layer)}` for layers of `transposed_weights` (JAX).
     """
     previous = (getattr(_DIRECT, "plans", None), getattr(_DIRECT, "xla", False),
-                getattr(_DIRECT, "tables", {}))
-    _DIRECT.plans, _DIRECT.xla, _DIRECT.tables = {}, xla, tables or {}
+                getattr(_DIRECT, "transposed", {}))
+    _DIRECT.plans, _DIRECT.xla, _DIRECT.transposed = {}, xla, transposed or {}
     try:
         yield
     finally:
-        _DIRECT.plans, _DIRECT.xla, _DIRECT.tables = previous
+        _DIRECT.plans, _DIRECT.xla, _DIRECT.transposed = previous
 
 
 def call_layer(layer, *args, **kwargs):
@@ -200,52 +200,98 @@ def _plan(layer):
         run = _torch_plan(layer)
     elif _tf_graph_direct():
         run = _tf_graph_logits_plan(layer)
-    elif layer in _DIRECT.tables:
-        run = _transposed_table_plan(layer, _DIRECT.tables[layer])
+    elif layer in _DIRECT.transposed:
+        run = _transposed_plan(layer, _DIRECT.transposed[layer])
     return layer.call if run is None else run
 
 
-_TRANSPOSED = weakref.WeakKeyDictionary()  # layer -> (table, its transpose)
+_TRANSPOSED = weakref.WeakKeyDictionary()  # layer -> (weight, its transposed matrix)
+_SMALL_KERNEL = 1024  # the widest kernel `transposed_weights` transposes for one-row products
 
 
-def transposed_tables(layers, rows):
-    """Those of the tied `ReversibleEmbedding` `layers` (a search's logits projection) whose
-    logits a search of `rows` rows (sources × beams) takes against a `(d_model, V)` copy of
-    the table (`transposed_table`), passed into the compiled search: under JAX on the CPU, up
-    to `_FEW_ROWS` rows; none elsewhere.
+def transposed_weights(layers, rows):
+    """Those of `layers` whose products a search of `rows` rows (sources × beams) takes against
+    a transposed copy of their weights (`transposed_weight`), passed into the compiled search:
+    under JAX on the CPU, the products below; none elsewhere. XLA folds a transpose inside the
+    compiled search back into the product, so each copy (as much memory as its weight again)
+    is made outside it, once per weight value. Measured with jax 0.10.2 on a 2-core AMD EPYC.
 
-    XLA's CPU product of a few rows against the transposed `(V, d_model)` table (Keras's
-    `hidden @ tableᵀ`) is slow: 32,000 × 512, one row 2.7-2.9 ms against 1.6-1.7 ms for a
-    `(d_model, V)` matrix (half the memory bandwidth), 16 rows 7.9 against 6.5 ms; and without
-    YNNPACK (`compiler_options`) slower still (a search of 4 rows, 32 new tokens, 2.3-2.7
-    against 0.33-0.38 s; with YNNPACK, one row 0.25-0.27 → 0.23-0.24 s, 16 rows 1.05-1.07 →
-    1.00); level at 64 rows (jax 0.10.2, 2-core AMD EPYC). XLA folds a
-    transpose inside the compiled search back into the product, so the copy (as much memory
-    as the table again) is made outside it, once per table value.
+    * A tied `ReversibleEmbedding`'s logits, up to `_FEW_ROWS` rows, against a `(d_model, V)`
+      copy of the table. XLA's CPU product of a few rows against the `(V, d_model)` table
+      (Keras's `hidden @ tableᵀ`) is slow: 32,000 × 512, one row 2.7-2.9 ms against 1.6-1.7
+      ms for a `(d_model, V)` matrix (half the memory bandwidth), 16 rows 7.9 against 6.5 ms;
+      and without YNNPACK (`compiler_options`) slower still (a search of 4 rows, 32 new
+      tokens, 2.3-2.7 against 0.33-0.38 s; with YNNPACK, one row 0.25-0.27 → 0.23-0.24 s, 16
+      rows 1.05-1.07 → 1.00); level at 64 rows.
+    * At one row, a `Dense` or `EinsumDense` product `inputs[..., in] @ kernel[in, out]`
+      (`_linear_form`, plain: not quantized, variables in the compute dtype) with in ≤ out ≤
+      `_SMALL_KERNEL`, against the `(out, in)` matrix: the other way round. One row times a
+      512 × 512 kernel read memory at 14-15 GB/s (69-77 µs), against 21-23 GB/s (46-49 µs) for
+      its transpose; 768 × 768 113 → 96 µs, 512 × 1024 112 → 84, 1024 × 1024 189 → 180;
+      512 × 1536 and 512 × 2048 level; 1024 × 512 and 2048 × 512 3-4× slower, and at two or
+      more rows 5-10× slower. Generation passes a decoding step's attention output and
+      cross-attention query projections (one row a step at batch 1; a prompt's or source's
+      rows take the kernel): batch 1 greedy, opus-mt-base, six pairs of processes in turns,
+      tokens equal, medians 32 new tokens 0.218 → 0.210 s, 128 tokens 0.834 → 0.777 s.
     """
     if not _few_rows_under_jax_on_the_cpu(rows):
         return []
-    return [layer for layer in layers
-            if type(layer) is keras.layers.ReversibleEmbedding and layer.built
-            and layer.tie_weights and _plain_reverse(layer)
+    return [layer for layer in layers if layer.built and layer.quantization_mode is None
             and layer.compute_dtype == layer.variable_dtype
-            and layer.quantization_mode is None]
+            and (_tied_logits(layer) or (rows == 1 and _small_kernel(layer)))]
 
 
-def transposed_table(layer):
-    """`layer`'s embedding table transposed, made again only when the table's value is
-    another array (JAX arrays are immutable: an update assigns a new one)."""
-    table = layer.embeddings.value
+def _tied_logits(layer):
+    return (type(layer) is keras.layers.ReversibleEmbedding and layer.tie_weights
+            and _plain_reverse(layer))
+
+
+def _small_kernel(layer):
+    """Whether `layer` is a product `inputs[..., in] @ kernel[in, out]` with in ≤ out ≤
+    `_SMALL_KERNEL` (`transposed_weights`)."""
+    contracted = _linear_form(layer)
+    if contracted is None:
+        return False
+    width = math.prod(layer.kernel.shape[:contracted])
+    return width <= math.prod(layer.kernel.shape[contracted:]) <= _SMALL_KERNEL
+
+
+def transposed_weight(layer):
+    """The transposed matrix of one of `transposed_weights`: a tied table `(V, d)` as `(d, V)`,
+    a kernel `(in…, out…)` as `(out, in)`. Made again only when the weight's value is another
+    array (JAX arrays are immutable: an update assigns a new one)."""
+    table = type(layer) is keras.layers.ReversibleEmbedding
+    weight = layer.embeddings.value if table else layer.kernel.value
     cached = _TRANSPOSED.get(layer)
-    if cached is None or cached[0] is not table:
-        cached = _TRANSPOSED[layer] = (table, ops.transpose(table))
+    if cached is None or cached[0] is not weight:
+        matrix = weight if table else ops.reshape(
+            weight, (math.prod(weight.shape[:_linear_form(layer)]), -1))
+        cached = _TRANSPOSED[layer] = (weight, ops.transpose(matrix))
     return cached[1]
 
 
-def _transposed_table_plan(layer, transposed):
-    """A tied `ReversibleEmbedding`'s logits as `hidden @ transposed` (`transposed_tables`)."""
-    def run(inputs, reverse=False):
-        return ops.matmul(inputs, transposed) if reverse else layer.call(inputs)
+def _transposed_plan(layer, transposed):
+    """`layer`'s call with its product against `transposed` (`transposed_weights`): a tied
+    table's logits `hidden @ transposed`; a one-row kernel product `inputs @ transposedᵀ`
+    (more rows, or other arguments, take the layer's `call`), kept out of a fusion with the
+    bias (`unfused`: XLA fused them into one naive loop, batch 1 32 tokens 0.21 → 0.27 s)."""
+    if type(layer) is keras.layers.ReversibleEmbedding:
+        def logits(inputs, reverse=False):
+            return ops.matmul(inputs, transposed) if reverse else layer.call(inputs)
+
+        return logits
+    contracted = _linear_form(layer)
+    tail = tuple(layer.kernel.shape[contracted:])
+
+    def run(inputs, **kwargs):
+        lead = tuple(inputs.shape[:len(inputs.shape) - contracted])
+        if set(kwargs) - {"training"} or math.prod(lead) != 1:
+            return layer.call(inputs, **kwargs)
+        rows = ops.reshape(inputs, (1, transposed.shape[1]))
+        output = ops.reshape(unfused(ops.matmul(rows, ops.transpose(transposed))), lead + tail)
+        if layer.bias is not None:
+            output = ops.add(output, layer.bias)
+        return output if layer.activation is None else layer.activation(output)
 
     return run
 

@@ -19,8 +19,8 @@ from keras import ops
 from keras_tfm import masks as masks_lib
 from keras_tfm._backend import (argmax, call_layer, compiler_options, direct_calls,
                                 keep_freed_memory, reorder_beams, repeated_layer_caller,
-                                slice_update, suppress_token, top_k, transposed_table,
-                                transposed_tables)
+                                slice_update, suppress_token, top_k, transposed_weight,
+                                transposed_weights)
 from keras_tfm._checks import check_special_ids, check_token_ids
 from keras_tfm.attention import cache_keys_values
 from keras_tfm.blocks import TransformerDecoderBlock, TransformerEncoderBlock
@@ -99,6 +99,19 @@ class Seq2SeqParts:
         keep_first = own.get("start_id", None) == pad_id
         return cls(embeddings[0], encoder_blocks, by_name.get("encoder_norm"), embeddings[1],
                    decoder_blocks, by_name.get("decoder_norm"), projection, pad_id, keep_first)
+
+    def transposable(self):
+        """The layers whose products a search may take against transposed weights
+        (`transposed_weights` picks): a tied logits table, and the products a decoding step
+        takes of its one new token alone, each block's attention output projections and
+        cross-attention query projection (its self-attention's query, key and value
+        projections are one product under XLA: `fuses_projections`)."""
+        layers = [self.decoder_embedding.token_embedding] if self.output_projection is None else []
+        for block in self.decoder_blocks:
+            layers.append(block.self_attention.output_dense)
+            if block.cross_attention is not None:
+                layers += [block.cross_attention.query_dense, block.cross_attention.output_dense]
+        return layers
 
     @property
     def target_vocab_size(self):
@@ -343,14 +356,14 @@ def _compiles_per_shape(rows, static_shapes=False):
                                  and (static_shapes or rows >= _XLA_ROWS))
 
 
-def _compile(model, search, static_shapes=False, beams=1, tables=()):
+def _compile(model, search, static_shapes=False, beams=1, transposable=()):
     """Compile `search(*inputs)` once per model and settings, where the backend allows it.
 
     The one backend-specific piece of generation: JAX jit-compiles with the model's variables
     passed in (a StatelessScope), so later weight updates are seen without recompiling, and
     on the CPU at LLVM's optimization level 1, a search of at most 16 rows without YNNPACK
-    (`compiler_options`) and with the logits of the tied tables `tables` against transposed
-    copies (`transposed_tables`);
+    (`compiler_options`) and with the products of the layers `transposable` that
+    `transposed_weights` picks against transposed copies of their weights;
     TensorFlow traces a tf.function without AutoGraph (variables are read live); PyTorch runs
     eagerly without autograd, with glibc asked to keep freed memory (`keep_freed_memory`).
     JAX retraces for each new input shape. TensorFlow with `static_shapes` (a search whose
@@ -370,8 +383,8 @@ def _compile(model, search, static_shapes=False, beams=1, tables=()):
     """
     backend = keras.backend.backend()
 
-    def direct(*inputs, xla=False, tables=None):  # layers' `call` without Keras's bookkeeping
-        with direct_calls(xla=xla, tables=tables):
+    def direct(*inputs, xla=False, transposed=None):  # `call` without Keras's bookkeeping
+        with direct_calls(xla=xla, transposed=transposed):
             return search(*inputs)
 
     if backend == "jax":
@@ -382,21 +395,21 @@ def _compile(model, search, static_shapes=False, beams=1, tables=()):
         def jitted(options, transposing):
             def stateless(values, transposed, *inputs):
                 with keras.StatelessScope(state_mapping=list(zip(variables, values))):
-                    return direct(*inputs, tables=dict(zip(transposing, transposed)))
+                    return direct(*inputs, transposed=dict(zip(transposing, transposed)))
 
             return jax.jit(stateless, compiler_options=options)
 
-        compiled = {}  # (options or not, tables transposed or not) -> the jitted search
+        compiled = {}  # (options, the layers transposed) -> the jitted search
 
         def run(*inputs):
             rows = inputs[0].shape[0] * beams
             options = compiler_options(rows, model._flatten_layers())
-            transposing = transposed_tables(tables, rows)
-            key = (frozenset((options or {}).items()), bool(transposing))  # (rows, quantization)
+            transposing = transposed_weights(transposable, rows)
+            key = (frozenset((options or {}).items()), tuple(map(id, transposing)))
             if key not in compiled:
                 compiled[key] = jitted(options, transposing)
             return compiled[key]([v.value for v in variables],
-                                 [transposed_table(layer) for layer in transposing], *inputs)
+                                 [transposed_weight(layer) for layer in transposing], *inputs)
 
         return run
     if backend == "tensorflow":
@@ -659,18 +672,17 @@ def generate(model, source_tokens, start_id=AUTO, end_id=AUTO, max_length=None, 
             return _beam_search(parts, source, start_id, stop_id, max_length, beam_size,
                                 float(length_penalty), pad_id)
 
-    tied = [parts.decoder_embedding.token_embedding] if parts.output_projection is None else []
     return _run_in_chunks(model, key, search, inputs, batch_size, verbose, pad_id, return_scores,
-                          beams=beams, sources=True, tables=tied)
+                          beams=beams, sources=True, transposable=parts.transposable())
 
 
 def _run_in_chunks(model, key, search, inputs, batch_size, verbose, pad_id, return_scores,
-                   static_shapes=False, beams=1, sources=False, tables=()):
+                   static_shapes=False, beams=1, sources=False, transposable=()):
     """Compile `search` once per `key`, run it on chunks of the NumPy `inputs` (rows along the
     first axis; each decoded with `beams` beams) and return the tokens, cut after the longest
     sequence, and the scores, rows in the order given.
 
-    `tables`: the tied embedding layers whose tables give the logits (`_compile`).
+    `transposable`: layers whose products may take transposed weights (`_compile`).
     `sources`: `inputs[0]` holds right-padded sources. Where chunks are not compiled per shape
     (PyTorch; TensorFlow's graph below `_XLA_ROWS` rows), the rows are then taken shortest
     source first and each chunk cut to its longest source, so a chunk encodes and attends to
@@ -685,7 +697,7 @@ def _run_in_chunks(model, key, search, inputs, batch_size, verbose, pad_id, retu
     if cached is None or cached[0] != variables:
         cached = _COMPILED[model] = (variables, {})
     compiled = cached[1]
-    run = compiled.pop(key, None) or _compile(model, search, static_shapes, beams, tables)
+    run = compiled.pop(key, None) or _compile(model, search, static_shapes, beams, transposable)
     compiled[key] = run  # the most recently used last
     while len(compiled) > _MAX_COMPILED:
         del compiled[next(iter(compiled))]

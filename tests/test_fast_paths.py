@@ -6,7 +6,7 @@ EinsumDense / LayerNormalization layers, the logits projection and its bias (one
 against packed kernels) and the attention layers' decoding steps as torch calls alone, removes
 the padding token from a step's logits in place, and keeps freed memory;
 JAX takes its own argmax and top-k, and in searches of a few rows on the CPU the tied logits
-against a transposed copy of the table; under XLA on the CPU a self-attention step projects its
+(and at one row a step's small attention projections) against transposed copies of the weights; under XLA on the CPU a self-attention step projects its
 queries, keys and values by one product; TensorFlow traces alike blocks once and, in its graph,
 takes a tied table's logits as `(table · hiddenᵀ)ᵀ`; beams share their source's
 cross-attention cache row. Each test compares
@@ -198,18 +198,30 @@ def test_generation_holds_caches_as_pairs_but_one_row_under_xla_on_the_cpu(rows)
     assert shapes == ([(1, 2, 4, 5, 8)] if stacked else [(rows, 4, 5, 8)] * 2)
 
 
-@pytest.mark.parametrize("rows", [1, 16, 17])
-def test_few_row_searches_under_jax_take_tied_logits_against_a_transposed_table(rows):
-    """Under JAX on the CPU a search of at most 16 rows takes a tied table's logits against a
-    transposed copy made outside the compiled search, once per table value, and is compiled
-    without YNNPACK unless a layer is quantized; every search under JAX on the CPU compiles
-    at LLVM's optimization level 1. (Its tokens and scores: the plain-path tests above, at 1,
-    3 and 9 rows, and after weights change.)"""
+@pytest.mark.parametrize("rows", [1, 2, 16, 17])
+def test_few_row_searches_under_jax_take_products_against_transposed_weights(rows):
+    """Under JAX on the CPU a search of at most 16 rows takes a tied table's logits, and one of
+    one row also its steps' small attention projections (in ≤ out ≤ 1024), against transposed
+    copies made outside the compiled search, once per weight value, and is compiled without
+    YNNPACK unless a layer is quantized; every search under JAX on the CPU compiles at LLVM's
+    optimization level 1. (Its tokens and scores: the plain-path tests above, at 1, 3 and 9
+    rows, and after weights change; `test_transposed_products_equal_keras_calls`.)"""
     model = marian_like()
     layer = model.get_layer("shared_embedding").token_embedding
+    parts = generation.Seq2SeqParts.from_model(model)
+    block = model.get_layer("decoder_block_0")
+    steps = [block.self_attention.output_dense, block.cross_attention.query_dense,
+             block.cross_attention.output_dense]
+    assert parts.transposable()[:4] == [layer, *steps]
+    wide = keras.layers.Dense(2048)  # out > 1024, and in > out: Eigen reads these fast
+    wide.build((None, 32))
+    narrow = keras.layers.Dense(32)
+    narrow.build((None, 64))
     xla_cpu = BACKEND == "jax" and _cpu_only()
     few = xla_cpu and rows <= 16
-    assert _backend.transposed_tables([layer], rows) == ([layer] if few else [])
+    picked = _backend.transposed_weights(parts.transposable() + [wide, narrow], rows)
+    assert len(parts.transposable()) == 1 + 3 * len(parts.decoder_blocks)
+    assert picked == (parts.transposable()[:None if rows == 1 else 1] if few else [])
     level = _backend._LLVM_LEVEL_1 if xla_cpu else {}
     expected = (level | (_backend._NO_YNN if few else {})) or None
     assert _backend.compiler_options(rows, model._flatten_layers()) == expected
@@ -218,14 +230,44 @@ def test_few_row_searches_under_jax_take_tied_logits_against_a_transposed_table(
     quantized.quantize("int8")  # int8 products want YNNPACK's kernels: it stays on
     assert _backend.compiler_options(rows, [*model._flatten_layers(), quantized]) == (
         level or None)
+    assert quantized not in _backend.transposed_weights([quantized], rows)
     if BACKEND != "jax":
         return  # (elsewhere a variable's value is the variable itself: no copy is kept)
-    transposed = _backend.transposed_table(layer)
+    transposed = _backend.transposed_weight(layer)
     np.testing.assert_array_equal(to_np(transposed), to_np(layer.embeddings).T)
-    assert _backend.transposed_table(layer) is transposed  # kept while the table is the same
+    assert _backend.transposed_weight(layer) is transposed  # kept while the table is the same
     layer.embeddings.assign(ops.convert_to_tensor(to_np(layer.embeddings) * 2.0))
-    np.testing.assert_array_equal(to_np(_backend.transposed_table(layer)),
+    np.testing.assert_array_equal(to_np(_backend.transposed_weight(layer)),
                                   to_np(layer.embeddings).T)
+    kernel = steps[0].kernel  # (heads, d, d_model) as a (heads · d, d_model) matrix
+    np.testing.assert_array_equal(to_np(_backend.transposed_weight(steps[0])),
+                                  to_np(kernel).reshape(-1, kernel.shape[-1]).T)
+
+
+@pytest.mark.skipif(BACKEND != "jax", reason="generation passes transposed weights under JAX")
+@pytest.mark.parametrize("rows", [1, 3])
+def test_transposed_products_equal_keras_calls(rows):
+    """A layer's product against its transposed weight (`_transposed_plan`) gives its Keras
+    call: a query projection (kernel `(d, heads, d)`), an attention output projection
+    (`(heads, d, d_model)`) and a `Dense` with an activation, at one row (the transposed
+    product) and at three (the layer's own call)."""
+    rng = np.random.default_rng(rows)
+    attention = MultiHeadSelfAttention(num_heads=4, causal=True)
+    attention(ops.zeros((1, 2, 32)))
+    dense = keras.layers.Dense(48, activation="swish")
+    dense.build((None, 32))
+    cases = [(attention.query_dense, (rows, 1, 32)), (attention.output_dense, (rows, 1, 4, 8)),
+             (dense, (rows, 32))]
+    for layer, shape in cases:
+        for weight in layer.weights:
+            weight.assign(rng.normal(0.0, 0.5, weight.shape).astype("float32"))
+        x = ops.convert_to_tensor(rng.normal(size=shape), "float32")
+        expected = to_np(layer(x))
+        transposed = {layer: _backend.transposed_weight(layer)}
+        with _backend.direct_calls(transposed=transposed):
+            assert _backend._plan(layer) != layer.call
+            got = to_np(_backend.call_layer(layer, x))
+        np.testing.assert_allclose(got, expected, atol=1e-5, err_msg=layer.name)
 
 
 @pytest.mark.skipif(BACKEND != "jax", reason="JAX's compile options")
