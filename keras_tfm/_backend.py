@@ -212,9 +212,10 @@ _SMALL_KERNEL = 1024  # the widest kernel `transposed_weights` transposes for on
 def transposed_weights(layers, rows):
     """Those of `layers` whose products a search of `rows` rows (sources × beams) takes against
     a transposed copy of their weights (`transposed_weight`), passed into the compiled search:
-    under JAX on the CPU, the products below; none elsewhere. XLA folds a transpose inside the
-    compiled search back into the product, so each copy (as much memory as its weight again)
-    is made outside it, once per weight value. Measured with jax 0.10.2 on a 2-core AMD EPYC.
+    under JAX on the CPU, the products below; none elsewhere. XLA folded a transpose inside
+    the compiled search back into the table's product, so each copy (as much memory as its
+    weight again) is made outside it, once per weight value. Measured with jax 0.10.2 on a
+    2-core AMD EPYC.
 
     * A tied `ReversibleEmbedding`'s logits, up to `_FEW_ROWS` rows, against a `(d_model, V)`
       copy of the table. XLA's CPU product of a few rows against the `(V, d_model)` table
@@ -242,6 +243,7 @@ def transposed_weights(layers, rows):
 
 
 def _tied_logits(layer):
+    """Whether `layer` is a tied `ReversibleEmbedding` whose logits are a product alone."""
     return (type(layer) is keras.layers.ReversibleEmbedding and layer.tie_weights
             and _plain_reverse(layer))
 
@@ -308,8 +310,7 @@ def _tf_graph_logits_plan(layer):
     turns): 2 rows 3.58 → 0.88 s, one source with beam 4 3.66 → 0.99 s, one row 0.553 → 0.550
     s; tokens equal.
     """
-    if (type(layer) is not keras.layers.ReversibleEmbedding or not layer.tie_weights
-            or not _plain_reverse(layer)):
+    if not _tied_logits(layer):
         return None
     import tensorflow as tf
 

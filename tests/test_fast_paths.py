@@ -6,8 +6,9 @@ EinsumDense / LayerNormalization layers, the logits projection and its bias (one
 against packed kernels) and the attention layers' decoding steps as torch calls alone, removes
 the padding token from a step's logits in place, and keeps freed memory;
 JAX takes its own argmax and top-k, and in searches of a few rows on the CPU the tied logits
-(and at one row a step's small attention projections) against transposed copies of the weights; under XLA on the CPU a self-attention step projects its
-queries, keys and values by one product; TensorFlow traces alike blocks once and, in its graph,
+(and at one row a step's small attention projections) against transposed copies of the
+weights; under XLA on the CPU a self-attention step projects its queries, keys and values by
+one product; TensorFlow traces alike blocks once and, in its graph,
 takes a tied table's logits as `(table · hiddenᵀ)ᵀ`; beams share their source's
 cross-attention cache row. Each test compares
 against the plain path (every layer through Keras's `__call__`, functional cache updates) or
@@ -213,15 +214,16 @@ def test_few_row_searches_under_jax_take_products_against_transposed_weights(row
     steps = [block.self_attention.output_dense, block.cross_attention.query_dense,
              block.cross_attention.output_dense]
     assert parts.transposable()[:4] == [layer, *steps]
-    wide = keras.layers.Dense(2048)  # out > 1024, and in > out: Eigen reads these fast
+    wide = keras.layers.Dense(2048)  # out > 1024: its own kernel
     wide.build((None, 32))
-    narrow = keras.layers.Dense(32)
+    narrow = keras.layers.Dense(32)  # in > out: its own kernel
     narrow.build((None, 64))
     xla_cpu = BACKEND == "jax" and _cpu_only()
     few = xla_cpu and rows <= 16
     picked = _backend.transposed_weights(parts.transposable() + [wide, narrow], rows)
     assert len(parts.transposable()) == 1 + 3 * len(parts.decoder_blocks)
-    assert picked == (parts.transposable()[:None if rows == 1 else 1] if few else [])
+    transposable = parts.transposable() if rows == 1 else [layer]  # (a table: up to 16 rows)
+    assert picked == (transposable if few else [])
     level = _backend._LLVM_LEVEL_1 if xla_cpu else {}
     expected = (level | (_backend._NO_YNN if few else {})) or None
     assert _backend.compiler_options(rows, model._flatten_layers()) == expected
