@@ -227,10 +227,10 @@ def transposed_weights(layers, rows):
     * At one row, a `Dense` or `EinsumDense` product `inputs[..., in] @ kernel[in, out]`
       (`_linear_form`, plain: not quantized, variables in the compute dtype) with in ≤ out ≤
       `_SMALL_KERNEL`, against the `(out, in)` matrix: the other way round. One row times a
-      512 × 512 kernel read memory at 14-15 GB/s (69-77 µs), against 21-23 GB/s (46-49 µs) for
-      its transpose; 768 × 768 113 → 96 µs, 512 × 1024 112 → 84, 1024 × 1024 189 → 180;
-      512 × 1536 and 512 × 2048 level; 1024 × 512 and 2048 × 512 3-4× slower, and at two or
-      more rows 5-10× slower. Generation passes a decoding step's attention output and
+      512 × 512 kernel read memory at 13-15 GB/s (67-77 µs), against 21-23 GB/s (46-49 µs) for
+      its transpose; 768 × 768 113-127 → 95-96 µs, 512 × 1024 112-119 → 84-94; 1024 × 1024
+      level (163-198 / 175-186); 512 × 1536 level, 512 × 2048 up to 10 % slower, 1024 × 512
+      and 2048 × 512 3-4× slower, and at two or more rows 5-10× slower. Generation passes a decoding step's attention output and
       cross-attention query projections (one row a step at batch 1; a prompt's or source's
       rows take the kernel): batch 1 greedy, opus-mt-base, six pairs of processes in turns,
       tokens equal, medians 32 new tokens 0.218 → 0.210 s, 128 tokens 0.834 → 0.777 s.
