@@ -230,10 +230,11 @@ def transposed_weights(layers, rows):
       512 × 512 kernel read memory at 13-15 GB/s (67-77 µs), against 21-23 GB/s (46-49 µs) for
       its transpose; 768 × 768 113-127 → 95-96 µs, 512 × 1024 112-119 → 84-94; 1024 × 1024
       level (163-198 / 175-186); 512 × 1536 level, 512 × 2048 up to 10 % slower, 1024 × 512
-      and 2048 × 512 3-4× slower, and at two or more rows 5-10× slower. Generation passes a decoding step's attention output and
-      cross-attention query projections (one row a step at batch 1; a prompt's or source's
-      rows take the kernel): batch 1 greedy, opus-mt-base, six pairs of processes in turns,
-      tokens equal, medians 32 new tokens 0.218 → 0.210 s, 128 tokens 0.834 → 0.777 s.
+      and 2048 × 512 3-4× slower, and at two or more rows 5-10× slower. Generation passes a
+      decoding step's attention output and cross-attention query projections (one row a step
+      at batch 1; a prompt's or source's rows take the kernel): batch 1 greedy, opus-mt-base,
+      six pairs of processes in turns, tokens equal, medians 32 new tokens 0.218 → 0.210 s,
+      128 tokens 0.834 → 0.777 s.
     """
     if not _few_rows_under_jax_on_the_cpu(rows):
         return []
@@ -251,11 +252,17 @@ def _tied_logits(layer):
 def _small_kernel(layer):
     """Whether `layer` is a product `inputs[..., in] @ kernel[in, out]` with in ≤ out ≤
     `_SMALL_KERNEL` (`transposed_weights`)."""
-    contracted = _linear_form(layer)
-    if contracted is None:
+    if _linear_form(layer) is None:
         return False
-    width = math.prod(layer.kernel.shape[:contracted])
-    return width <= math.prod(layer.kernel.shape[contracted:]) <= _SMALL_KERNEL
+    width, out = _matrix_shape(layer)
+    return width <= out <= _SMALL_KERNEL
+
+
+def _matrix_shape(layer):
+    """`(in, out)`: a `_linear_form` layer's kernel `(in…, out…)` as the matrix it multiplies."""
+    contracted = _linear_form(layer)
+    return (math.prod(layer.kernel.shape[:contracted]),
+            math.prod(layer.kernel.shape[contracted:]))
 
 
 def transposed_weight(layer):
@@ -266,8 +273,7 @@ def transposed_weight(layer):
     weight = layer.embeddings.value if table else layer.kernel.value
     cached = _TRANSPOSED.get(layer)
     if cached is None or cached[0] is not weight:
-        matrix = weight if table else ops.reshape(
-            weight, (math.prod(weight.shape[:_linear_form(layer)]), -1))
+        matrix = weight if table else ops.reshape(weight, _matrix_shape(layer))
         cached = _TRANSPOSED[layer] = (weight, ops.transpose(matrix))
     return cached[1]
 
