@@ -352,7 +352,7 @@ class Engine:
         self._process.join()
 
 
-def run_engines(names, model_dir, ct2_dir, stream=30, repeats=3, batch64=False,
+def run_engines(names, model_dir, ct2_dir, stream=30, repeats=5, batch64=False,
                 length_buckets="auto", device="cpu"):
     """Every engine's cells, taken in turns: each call of a cell is followed by the same call
     on every other engine (the order rotating), so that the machine's drift (cells move
@@ -537,7 +537,8 @@ def main():
     parser.add_argument("--small", action="store_true", help="the tiny shape (tests)")
     parser.add_argument("--engines", nargs="+", choices=ENGINES, default=list(ENGINES))
     parser.add_argument("--stream", type=int, default=30, help="sources in the stream cell")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5,
+                        help="timed calls a fixed cell (the median), after a warm-up")
     parser.add_argument("--batch64", action="store_true", help="add the batch 64 greedy cell")
     parser.add_argument("--no-length-buckets", action="store_true",
                         help="keras_tfm without source-length buckets (length_buckets=None)")
