@@ -235,7 +235,7 @@ def transposed_weights(layers, rows):
       at batch 1; a prompt's or source's rows take the kernel): batch 1 greedy, opus-mt-base,
       six pairs of processes in turns, tokens equal, medians 32 new tokens 0.218 → 0.210 s,
       128 tokens 0.834 → 0.777 s (Zen 2). On a Zen 4 VM these one-row products were slower:
-      128 tokens 1-39 % (median 12 %, 7 pairs), XLA's loop over an `(out, in)` 512 × 512
+      128 tokens 1-39 % (median 12 %, 9 pairs), XLA's loop over an `(out, in)` 512 × 512
       kernel taking ~90 µs in the search against 36-47 µs alone; not yet explained.
     """
     if not _few_rows_under_jax_on_the_cpu(rows):
