@@ -15,7 +15,7 @@ venv: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --upgrade pip
-	$(PY) -m pip install -e ".[jax,tensorflow,torch,test,examples]"
+	$(PY) -m pip install -e ".[jax,tensorflow,torch,text,test,examples]"
 	touch $@
 
 # The toy translation demo under JAX.

@@ -140,13 +140,15 @@ def check_token_id(name, value, vocab_size):
 
 
 def check_special_ids(vocab_size, pad_id, start_id=None, end_id=None):
-    """The rules of a model's special ids: token ids of the vocabulary (start and end may be
-    None), and an end id that is not the padding id (padding is never generated)."""
-    check_token_id("pad_id", pad_id, vocab_size)
+    """The rules of a model's special ids: token ids of the vocabulary (any may be None: a
+    language model of packed text has no padding id), and an end id that is not the padding id
+    (padding is never generated)."""
+    if pad_id is not None:
+        check_token_id("pad_id", pad_id, vocab_size)
     for name, value in (("start_id", start_id), ("end_id", end_id)):
         if value is not None:
             check_token_id(name, value, vocab_size)
-    if end_id is not None and end_id == pad_id:
+    if end_id is not None and pad_id is not None and end_id == pad_id:
         raise ValueError(f"`end_id` must not be the padding id {pad_id} (padding is never "
                          f"generated); received end_id={end_id!r} and pad_id={pad_id!r}. Pass "
                          "end_id=None to decode "

@@ -519,7 +519,8 @@ def _resolve_special_ids(model, vocab, start_id, end_id, pad_id, needs_start=Tru
         raise ValueError(f"`start_id` must not be the padding id {pad_id}, which model "
                          f"{model.name!r} masks; received start_id={start_id!r}. (A model built "
                          "with start_id == pad_id, as from_marian does, attends to it.)")
-    return int(start_id), None if end_id is None else int(end_id), int(pad_id)
+    return (None if start_id is None else int(start_id), None if end_id is None else int(end_id),
+            None if pad_id is None else int(pad_id))
 
 
 def _source_array(source_tokens, vocab, pad_id):
@@ -730,8 +731,9 @@ def _run_in_chunks(model, key, search, inputs, batch_size, verbose, pad_id, retu
     if order is not None:  # back in the order given
         restore = np.argsort(order)
         tokens, scores = tokens[restore], scores[restore]
-    longest = int((tokens != pad_id).sum(axis=1).max(initial=0))
-    tokens = tokens[:, :max(longest, 1)]
+    if pad_id is not None:  # (None: a model without padding; every column is kept)
+        longest = int((tokens != pad_id).sum(axis=1).max(initial=0))
+        tokens = tokens[:, :max(longest, 1)]
     if return_scores:
         return tokens, scores
     return tokens
@@ -756,6 +758,7 @@ class LanguageModelParts:
     output_projection: object
     embedding_scale: object
     pad_id: int = PAD_ID
+    suppress_pad: bool = True  # False: a model without padding (`pad_id` only fills rows)
 
     @classmethod
     def from_model(cls, model):
@@ -861,7 +864,8 @@ def _language_model_search(parts, prompts, lengths, end_id, max_length, choose=N
     choose = choose or _argmax
     finished = ops.zeros((batch,), "bool")
     scores = ops.zeros((batch,), "float32")
-    without_pad = _pad_remover(parts.vocab_size, pad_id)
+    without_pad = (_pad_remover(parts.vocab_size, pad_id) if parts.suppress_pad
+                   else lambda logits: logits)
 
     def cond(i, tokens, caches, logits, finished, scores):
         return ops.logical_and(i < total, ops.logical_not(ops.all(finished)))
@@ -885,6 +889,22 @@ def _language_model_search(parts, prompts, lengths, end_id, max_length, choose=N
     _, tokens, _, _, _, scores = ops.while_loop(cond, body, state, maximum_iterations=total)
     positions = lengths[:, None] + ops.arange(max_length, dtype="int32")[None, :]
     return ops.take_along_axis(tokens, positions, axis=1), scores
+
+
+def _unpadded_prompts(prompts, vocab, fill):
+    """Prompts of a model without padding as int32 `(B, P)` (shorter rows filled with `fill`,
+    which the search never attends to) and their lengths `(B,)`: rows of a list keep their own
+    lengths, every row of an array is all tokens."""
+    if isinstance(prompts, (list, tuple)) and all(
+            isinstance(row, (list, tuple, np.ndarray)) for row in prompts):
+        rows = [np.asarray(row).reshape(-1) for row in prompts]
+    else:
+        rows = list(np.asarray(prompts).reshape(-1, np.shape(prompts)[-1]))
+    lengths = np.array([len(row) for row in rows], "int32")
+    array = np.full((len(rows), max(lengths, default=0)), fill, "int64")
+    for i, row in enumerate(rows):
+        array[i, :len(row)] = row
+    return check_token_ids(array, vocab, name="prompts"), lengths
 
 
 def _sampling_options(method, temperature, top_k, top_p):
@@ -937,7 +957,10 @@ def generate_language_model(model, prompts, max_length, end_id=AUTO, pad_id=AUTO
         max_length: at most this many new tokens per row (`<EOS>` included); with learned
             positions, the prompt plus `max_length` must fit the table.
         end_id: a row stops once it produced it; "auto": the model's own; None: never.
-        pad_id: the padding id of the prompts and the output; "auto": the model's own.
+        pad_id: the padding id of the prompts and the output; "auto": the model's own. A
+            model without padding (`pad_id=None`) attends to every id: give prompts of
+            different lengths as a list; the output keeps `max_length` columns, a row's
+            positions after its `end_id` holding `end_id`.
         start_id: not used (a prompt holds its own start token); "auto" or None.
         method: `"greedy"` or `"sample"`.
         return_scores, batch_size, verbose, seed, temperature, top_k, top_p: as in `generate`.
@@ -956,11 +979,18 @@ def generate_language_model(model, prompts, max_length, end_id=AUTO, pad_id=AUTO
                          'method="beam".')
     _check_lengths(max_length, batch_size)
     parts = LanguageModelParts.from_model(model)
+    if pad_id == AUTO and "pad_id" not in model.special_ids:
+        pad_id = None  # a model without padding (`pad_id=None`)
     _, end_id, pad_id = _resolve_special_ids(model, parts.vocab_size, start_id, end_id, pad_id,
                                              needs_start=False)
-    parts = dataclasses.replace(parts, pad_id=pad_id)
-    prompts = _source_array(prompts, parts.vocab_size, pad_id)
-    lengths = (prompts != pad_id).sum(axis=1).astype("int32")
+    if pad_id is None:  # every id is a token: lengths from the rows, rows filled by `fill`
+        fill = PAD_ID if end_id is None else end_id
+        parts = dataclasses.replace(parts, pad_id=fill, suppress_pad=False)
+        prompts, lengths = _unpadded_prompts(prompts, parts.vocab_size, fill)
+    else:
+        parts = dataclasses.replace(parts, pad_id=pad_id)
+        prompts = _source_array(prompts, parts.vocab_size, pad_id)
+        lengths = (prompts != pad_id).sum(axis=1).astype("int32")
     if (lengths == 0).any():
         row = int(np.flatnonzero(lengths == 0)[0])
         raise ValueError(f"Every prompt needs at least one real token; prompt {row} is only "

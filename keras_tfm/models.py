@@ -57,7 +57,8 @@ class _StackModel(ConfiguredModel):
             raise ValueError('`max_length` is required for positional="learned" (the size of '
                              "the learned position table); received max_length=None.")
         dtype = self._model_dtype
-        mask = masks_lib.padding_mask(tokens, config["pad_id"])
+        pad_id = config["pad_id"]
+        mask = None if pad_id is None else masks_lib.padding_mask(tokens, pad_id)
         embedding = keras.layers.Embedding(vocab_size, d_model, dtype=dtype,
                                            name="token_embedding")
         x = embed_or_nan(embedding, tokens, vocab_size)  # an id outside the vocabulary: NaN
@@ -153,6 +154,8 @@ class EncoderModel(_StackModel):
         if num_classes is not None:
             if pooling == "first":
                 pooled = outputs[:, 0]
+            elif mask is None:  # no padding id: every token is real
+                pooled = ops.mean(outputs, axis=1)
             else:  # mean over the real tokens
                 weights = ops.cast(mask, outputs.dtype)[..., None]
                 count = ops.maximum(ops.sum(weights, axis=1), 1.0)
@@ -169,7 +172,9 @@ def build_language_model(vocab_size, d_model=512, num_heads=8, ff_dim=2048, num_
     """Build a decoder-only transformer language model (GPT / LLaMA shape).
 
     `tokens (B, T) → logits (B, T, vocab_size)`; each position sees itself and the positions
-    before it (causal), and padding (`pad_id`, 0 by default) is masked as keys.
+    before it (causal), and padding (`pad_id`, 0 by default) is masked as keys. With
+    `pad_id=None` there is no padding: every id, 0 included, is a real token (a model trained
+    on packed windows of text, where id 0 may be a character such as the newline).
     Train it with `fit` on next-token targets (`x = tokens[:, :-1]`, `y = tokens[:, 1:]`) and
     `MaskedSparseCategoricalCrossentropy`; continue prompts with `keras_tfm.generate`.
 
@@ -186,8 +191,9 @@ def build_language_model(vocab_size, d_model=512, num_heads=8, ff_dim=2048, num_
         **kwargs: `dropout` (0), `max_length`, `activation` ("gelu"), `gated_feed_forward`
             (SwiGLU with `activation="silu"`), `normalization` ("layer_norm" or "rms_norm"),
             `layer_norm_epsilon`, `use_bias`, `rotary_max_wavelength`, `scale_embeddings`
-            (×√d_model, False), `pad_id` (0), `start_id`, `end_id` (the model's special ids,
-            `model.special_ids`; `generate` stops at `end_id` by default), `name`.
+            (×√d_model, False), `pad_id` (0; None: no padding), `start_id`, `end_id` (the
+            model's special ids, `model.special_ids`; `generate` stops at `end_id` by
+            default), `name`.
 
     Returns:
         A `LanguageModel` (a functional `keras.Model`).

@@ -144,6 +144,9 @@ class Seq2SeqTransformer(ConfiguredModel):
         if share_embeddings and src_vocab_size != tgt_vocab_size:
             raise ValueError("`share_embeddings=True` needs one vocabulary; received "
                              f"src_vocab_size={src_vocab_size}, tgt_vocab_size={tgt_vocab_size}.")
+        if pad_id is None:
+            raise ValueError("An encoder-decoder pads its batches of sentences: `pad_id` must "
+                             "be a token id; received pad_id=None.")
         check_special_ids(min(src_vocab_size, tgt_vocab_size), pad_id)  # pads both inputs
         check_special_ids(tgt_vocab_size, pad_id, start_id, end_id)
         dtype = self._model_dtype = model_dtype_policy(dtype)
