@@ -1,6 +1,6 @@
 """keras_tfm: Keras 3 layers for the transformer: encoder-decoder, decoder-only and encoder-only."""
 
-from keras_tfm import distribution, losses, masks, metrics, saving, schedules
+from keras_tfm import distribution, losses, masks, metrics, saving, schedules, text
 from keras_tfm._checks import check_token_ids
 from keras_tfm.attention import (
     CrossAttention,
@@ -53,5 +53,6 @@ __all__ = [
     "saving",
     "scaled_dot_product_attention",
     "schedules",
+    "text",
     "to_marian",
 ]

@@ -19,7 +19,7 @@ PAGES = ["README.md", *sorted(os.path.relpath(p, ROOT)
 # Pages that must keep at least one runnable block (a lost marker would pass silently).
 WITH_EXAMPLES = ["README.md", "docs/masks.md", "docs/generation.md", "docs/saving.md",
                  "docs/language_models.md", "docs/pretrained.md", "docs/reliability.md",
-                 "docs/scaling.md", "docs/design.md"]
+                 "docs/scaling.md", "docs/design.md", "docs/text.md"]
 
 
 def _read(page):

@@ -4,6 +4,7 @@ language models without padding, and the two example command lines on real sente
 
 import csv
 import importlib.util
+import itertools
 import os
 import subprocess
 import sys
@@ -168,6 +169,26 @@ def test_translation_batches_hold_every_pair_once_per_epoch(pairs):
                                        **tokenizer.special_ids)
     assert {by_count[i][1].shape[0] for i in range(len(by_count))} == {32}
     assert sorted(_pairs_of(by_count)) == expected
+
+
+def test_auto_buckets_pad_the_least():
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        lengths = rng.integers(1, 12, size=int(rng.integers(1, 25)))
+        count = int(rng.integers(1, 4))
+        batches = text.TranslationBatches([[5] * n for n in lengths], [[6]] * len(lengths),
+                                          pad_id=0, start_id=1, end_id=2, batch_size=1,
+                                          num_buckets=count)
+        lengths = np.maximum(lengths, 2)  # (a pair's length: its source or its target + 1)
+
+        def padded(buckets):
+            return sum(min(b for b in buckets if b >= n) for n in lengths)
+
+        longest = int(lengths.max())
+        least = min(padded([*inner, longest]) for r in range(count)
+                    for inner in itertools.combinations(range(1, longest), r))
+        assert padded(batches.buckets) == least and batches.buckets[-1] == longest
+        assert len(batches.buckets) <= count
 
 
 def test_translation_batches_refuse_or_count_long_pairs():

@@ -63,13 +63,28 @@ def read_pairs(path, skip_bad_lines=False):
     return sources, targets, skipped
 
 
-def _auto_buckets(lengths, count, multiple=4):
-    """`count` bucket lengths at even quantiles of `lengths`, rounded up to a `multiple`, the
-    last the longest length."""
-    quantiles = np.quantile(lengths, np.linspace(0, 1, count + 1)[1:])
-    buckets = sorted({int(multiple * math.ceil(q / multiple)) for q in quantiles})
-    buckets[-1] = max(buckets[-1], int(np.max(lengths)))
-    return buckets
+def _auto_buckets(lengths, count):
+    """The `count` (or fewer) bucket lengths that pad the least: each length padded up to the
+    smallest bucket that holds it, the last bucket the longest length (an exact dynamic program
+    over the histogram of lengths)."""
+    histogram = np.bincount(lengths)
+    longest = len(histogram) - 1
+    below = np.concatenate([[0], np.cumsum(histogram)])  # below[l]: lengths < l
+    # best[k][b]: least padded size of the lengths <= b in k buckets, the last one b
+    best = np.full((count + 1, longest + 1), np.inf)
+    choice = np.zeros((count + 1, longest + 1), int)
+    best[1] = below[1:] * np.arange(longest + 1)
+    for k in range(2, count + 1):
+        for b in range(1, longest + 1):
+            costs = best[k - 1][:b] + (below[b + 1] - below[1:b + 1]) * b
+            choice[k][b] = int(np.argmin(costs))
+            best[k][b] = costs[choice[k][b]]
+    k = int(np.argmin(best[1:, longest])) + 1  # (fewer buckets when more cannot pad less)
+    buckets, b = [], longest
+    while k >= 1 and b > 0:
+        buckets.append(b)
+        b, k = choice[k][b], k - 1
+    return sorted(buckets)
 
 
 class TranslationBatches(keras.utils.PyDataset):
@@ -93,8 +108,8 @@ class TranslationBatches(keras.utils.PyDataset):
         max_tokens: the token budget of a batch, `rows × length` (exclusive with
             `batch_size`).
         batch_size: rows a batch (exclusive with `max_tokens`).
-        buckets: increasing bucket lengths, or "auto": `num_buckets` lengths at even quantiles
-            of the pairs' lengths (rounded up to multiples of 4, the last the longest pair).
+        buckets: increasing bucket lengths, or "auto": the `num_buckets` lengths that pad the
+            pairs the least (the last the longest pair).
         num_buckets: the number of "auto" buckets.
         max_length: the longest sequence the model takes (a learned position table); pairs
             longer than this are handled by `too_long`. None: no limit.
