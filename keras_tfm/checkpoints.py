@@ -280,7 +280,7 @@ def load_tensors(checkpoint, tensors, ignore=(), what="the config", verbose="aut
     for i, tensor in enumerate(tensors):
         arrays = tensor.load(checkpoint.read(tensor.name))
         for variable, array in zip(tensor.variables, arrays):
-            if np.dtype(variable.dtype) != array.dtype:
+            if str(array.dtype) != str(variable.dtype):
                 array = keras.ops.cast(array, variable.dtype)
             variable.assign(array)
         del arrays

@@ -113,7 +113,7 @@ def from_llama(path, config, dtype=None, verbose="auto"):
     checkpoint = ckpt.Checkpoint(path)
     checkpoint.rename(ckpt.add_prefix("model.", checkpoint.names, keep=(r"lm_head\..*",)))
     model = LanguageModel(**kwargs, dtype=dtype)
-    ignore = [r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq"]  # older checkpoints' buffer
+    ignore = [r"model\.(layers\.\d+\.self_attn\.)?rotary_emb\.inv_freq"]  # older buffers
     if kwargs["tie_embeddings"]:
         ignore.append(r"lm_head\.weight")  # a stored copy of the tied matrix
     ckpt.load_tensors(checkpoint, _tensors(model), ignore=ignore,

@@ -415,10 +415,10 @@ def test_fine_tune_lowers_the_loss_and_keras_file_keeps_predictions(tmp_path, na
     write_hf(tmp_path, name)
     model = keras_tfm.from_pretrained(str(tmp_path))
     tokens = np.random.default_rng(7).integers(3, VOCAB - 1, (8, 12)).astype("int32")
-    model.compile(keras.optimizers.Adam(3e-3),
+    model.compile(keras.optimizers.Adam(1e-2),
                   loss=keras_tfm.MaskedSparseCategoricalCrossentropy(ignore_class=None),
                   **jit_options())
-    history = model.fit(tokens[:, :-1], tokens[:, 1:], epochs=8, batch_size=8,
+    history = model.fit(tokens[:, :-1], tokens[:, 1:], epochs=15, batch_size=8,
                         verbose=0).history["loss"]
     assert np.isfinite(history).all() and history[-1] < 0.7 * history[0]
     path = tmp_path / "tuned.keras"
@@ -438,10 +438,10 @@ def test_bert_classifier_fine_tunes_and_round_trips(tmp_path):
     model = keras_tfm.from_pretrained(str(tmp_path))
     tokens, segments, _ = bert_batch(seed=8)
     labels = np.array([0, 1, 1])
-    model.compile(keras.optimizers.Adam(3e-3),
+    model.compile(keras.optimizers.Adam(1e-2),
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                   **jit_options())
-    history = model.fit([tokens, segments], labels, epochs=8, verbose=0).history["loss"]
+    history = model.fit([tokens, segments], labels, epochs=15, verbose=0).history["loss"]
     assert history[-1] < 0.7 * history[0]
     model.save(tmp_path / "tuned.keras")
     restored = keras.models.load_model(tmp_path / "tuned.keras")
