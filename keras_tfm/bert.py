@@ -113,3 +113,54 @@ def from_bert(path, config, dtype=None, verbose="auto"):
     ckpt.load_tensors(checkpoint, _tensors(model), ignore=ignore, what="the BERT config",
                       verbose=verbose)
     return model
+
+
+def check_exportable(config):
+    """Why an `EncoderModel` config is not a BERT checkpoint (a list, empty if it is)."""
+    wanted = dict(positional="learned", norm_first=False, normalization="layer_norm",
+                  gated_feed_forward=False, use_bias=True, qkv_bias=None,
+                  scale_embeddings=False, embedding_norm=True)
+    problems = [f"{key}={config.get(key)!r} (BERT: {value!r})" for key, value in wanted.items()
+                if config.get(key) != value]
+    if config.get("segment_vocab_size") is None:
+        problems.append("segment_vocab_size=None (BERT has token types)")
+    if config["num_key_value_heads"] not in (None, config["num_heads"]):
+        problems.append(f"num_key_value_heads={config['num_key_value_heads']}")
+    if config["num_classes"] is not None and not (config["pooler"]
+                                                  and config["pooling"] == "first"):
+        problems.append(f"a classifier on pooling={config['pooling']!r} without the pooler "
+                        "(BERT's classifier reads the pooler)")
+    if config["activation"] not in _ACTIVATION_NAMES:
+        problems.append(f"activation={config['activation']!r} (BERT: "
+                        f"{sorted(_ACTIVATION_NAMES)})")
+    return problems
+
+
+_ACTIVATION_NAMES = {"gelu": "gelu", "gelu_approximate": "gelu_new", "relu": "relu",
+                     "silu": "silu"}
+
+
+def to_bert(model, path, max_shard_size="5GB", verbose=False):
+    """Write a BERT-shaped `EncoderModel` as a transformers directory: `BertModel` (features),
+    or `BertForSequenceClassification` with a classifier (see `to_pretrained`)."""
+    c = model.get_config()
+    ckpt.refuse("model (as a BERT checkpoint)", check_exportable(c))
+    classes = c["num_classes"]
+    config = dict(
+        architectures=[CLASSIFIER if classes else "BertModel"], model_type="bert",
+        vocab_size=c["vocab_size"], hidden_size=c["d_model"],
+        num_hidden_layers=c["num_layers"], num_attention_heads=c["num_heads"],
+        intermediate_size=c["ff_dim"], hidden_act=_ACTIVATION_NAMES[c["activation"]],
+        hidden_dropout_prob=c["dropout"], attention_probs_dropout_prob=c["dropout"],
+        max_position_embeddings=c["max_length"], type_vocab_size=c["segment_vocab_size"],
+        layer_norm_eps=c["layer_norm_epsilon"], pad_token_id=c["pad_id"],
+        position_embedding_type="absolute", dtype=ckpt.checkpoint_dtype(model))
+    if classes:
+        config |= dict(id2label={str(i): f"LABEL_{i}" for i in range(classes)},
+                       label2id={f"LABEL_{i}": i for i in range(classes)})
+    tensors = _tensors(model)
+    if not classes:  # a bare BertModel's names, as its save_pretrained writes them
+        for tensor in tensors:
+            tensor.name = tensor.name.removeprefix("bert.")
+    ckpt.write_tensors(path, tensors, max_shard_size=max_shard_size, verbose=verbose)
+    ckpt.write_json(path, "config.json", config)

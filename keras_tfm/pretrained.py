@@ -6,7 +6,7 @@ hands it to the converter of its `model_type`; `to_pretrained(model, path)` writ
 | --- | --- | --- | --- |
 | llama, qwen2, mistral | `*ForCausalLM` | `LanguageModel` | `llama.py` |
 | gpt2 | `GPT2LMHeadModel` | `LanguageModel` | `gpt2.py` |
-| bert | `BertModel`, `BertForSequenceClassification` | `EncoderModel` | `bert.py` (read only) |
+| bert | `BertModel`, `BertForSequenceClassification` | `EncoderModel` | `bert.py` |
 | marian | `MarianMTModel` | `Seq2SeqTransformer` | `marian.py` |
 """
 
@@ -99,6 +99,8 @@ def to_pretrained(model, path, tokenizer_dir=None, max_position_embeddings=None,
       `LlamaForCausalLM`, or `Qwen2ForCausalLM` with `qkv_bias=True`;
     * a learned-position, LayerNorm, tied `LanguageModel` with biases (GPT-2's shape) as
       `GPT2LMHeadModel`;
+    * a BERT-shaped `EncoderModel` (post-LN, learned positions, segments, embedding norm) as
+      `BertModel`, or with its pooler and classifier as `BertForSequenceClassification`;
     * a Marian-shaped `Seq2SeqTransformer` as `MarianMTModel` (`to_marian`).
 
     Args:
@@ -137,11 +139,9 @@ def to_pretrained(model, path, tokenizer_dir=None, max_position_embeddings=None,
                              + "; ".join(llama_problems) + ") nor a GPT-2 one ("
                              + "; ".join(gpt2_problems) + ").")
     elif isinstance(model, EncoderModel):
-        raise ValueError("to_pretrained does not write encoder (BERT) checkpoints yet; it "
-                         "exports LanguageModels (Llama family, GPT-2) and Seq2SeqTransformers "
-                         "(Marian).")
+        bert.to_bert(model, path, max_shard_size=max_shard_size, verbose=verbose)
     else:
-        raise ValueError(f"to_pretrained exports keras_tfm LanguageModel and "
+        raise ValueError(f"to_pretrained exports keras_tfm LanguageModel, EncoderModel and "
                          f"Seq2SeqTransformer models; received {type(model).__name__}.")
     if tokenizer_dir is not None:
         _copy_tokenizer(tokenizer_dir, path)

@@ -251,6 +251,24 @@ def test_bert_masked_lm_checkpoint_loads_as_its_encoder(tmp_path):
                                atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("classes", [None, 3], ids=["features", "classifier"])
+def test_bert_export_loads_in_transformers(tmp_path, classes):
+    write_bert(tmp_path / "hf", classes=classes)
+    model = keras_tfm.from_pretrained(str(tmp_path / "hf"))
+    keras_tfm.to_pretrained(model, str(tmp_path / "out"))
+    cls = tf_hf.BertModel if classes is None else tf_hf.BertForSequenceClassification
+    again, info = cls.from_pretrained(str(tmp_path / "out"), output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    tokens, segments, mask = bert_batch(seed=9)
+    theirs = hf_bert(again.eval(), tokens, segments, mask)
+    ours = to_np(model([tokens, segments]))
+    if classes is None:
+        np.testing.assert_allclose(ours[mask], theirs.last_hidden_state.numpy()[mask],
+                                   atol=1e-5, rtol=1e-5)
+    else:
+        np.testing.assert_allclose(ours, theirs.logits.numpy(), atol=1e-5, rtol=1e-5)
+
+
 # --- Marian through the same entry point ---------------------------------------------------
 
 def test_marian_dispatches_to_from_marian(tmp_path):
