@@ -384,15 +384,38 @@ def first_id(value):
     return None if value is None else int(value)
 
 
+def _tokenizer_special_ids(path):
+    """`{"bos": id, "eos": id, "pad": id}` of the special tokens that `tokenizer_config.json`
+    (or `special_tokens_map.json`) names, looked up in `tokenizer.json` (plain JSON: no
+    tokenizers library needed); None where a token or the files are absent."""
+    names = read_json(path, "special_tokens_map.json") | read_json(path, "tokenizer_config.json")
+    tokenizer = read_json(path, "tokenizer.json")
+    vocab = tokenizer.get("model", {}).get("vocab")
+    vocab = dict(vocab) if isinstance(vocab, dict) else {}
+    vocab.update({token["content"]: token["id"] for token in tokenizer.get("added_tokens", [])})
+    found = {}
+    for role in ("bos", "eos", "pad"):
+        token = names.get(f"{role}_token")
+        token = token.get("content") if isinstance(token, dict) else token
+        found[role] = vocab.get(token)
+    return found
+
+
 def special_ids(path, config):
     """`(bos, eos, pad)` of a checkpoint: `generation_config.json`'s where it names them
-    (what transformers' `generate` uses), else `config.json`'s; a list of end ids gives its
-    first."""
+    (what transformers' `generate` uses), else `config.json`'s, else the tokenizer's special
+    tokens (`tokenizer_config.json` looked up in `tokenizer.json`); a list of end ids gives
+    its first."""
     generation = read_json(path, "generation_config.json")
     found = []
-    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
-        value = generation.get(key)
-        found.append(first_id(config.get(key) if value is None else value))
+    tokenizer = None
+    for key in ("bos", "eos", "pad"):
+        value = generation.get(f"{key}_token_id")
+        value = first_id(config.get(f"{key}_token_id") if value is None else value)
+        if value is None:
+            tokenizer = _tokenizer_special_ids(path) if tokenizer is None else tokenizer
+            value = tokenizer[key]
+        found.append(value)
     return tuple(found)
 
 

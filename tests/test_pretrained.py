@@ -426,6 +426,18 @@ def test_text_generator_from_pretrained_equals_transformers(tmp_path):
     assert text == expected and len(text) > len(prompt)
 
 
+def test_special_ids_from_the_tokenizer_when_the_config_has_none(tmp_path):
+    tokenizer = _train_tokenizer(VOCAB)
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    with open(tmp_path / "tokenizer_config.json", "w") as f:
+        json.dump({"eos_token": {"content": "</s>"}, "pad_token": "</s>"}, f)
+    write_hf(tmp_path, "qwen2_qkv_bias", vocab_size=tokenizer.get_vocab_size(),
+             bos_token_id=None, eos_token_id=None)
+    model = keras_tfm.from_pretrained(str(tmp_path))
+    # eos from the tokenizer; its pad token is eos, which must stay generable: no padding
+    assert model.special_ids == {"end_id": EOS}
+
+
 # --- fine-tuning and .keras files -------------------------------------------------------------
 
 @pytest.mark.parametrize("name", ["llama_gqa4_tied", "gpt2"])
