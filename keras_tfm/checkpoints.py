@@ -301,11 +301,12 @@ def _encode(array, dtype):
 
 def _shard_size(max_shard_size):
     if isinstance(max_shard_size, str):
-        match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]?B)\s*", max_shard_size.upper())
+        match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]I?B|B)\s*", max_shard_size.upper())
         if not match:
-            raise ValueError(f"`max_shard_size` must be bytes (int) or like '5GB'; received "
-                             f"{max_shard_size!r}.")
-        scale = {"B": 1, "KB": 10 ** 3, "MB": 10 ** 6, "GB": 10 ** 9}[match.group(2)]
+            raise ValueError(f"`max_shard_size` must be bytes (int) or like '5GB' / '2GiB'; "
+                             f"received {max_shard_size!r}.")
+        scale = {"B": 1, "KB": 10 ** 3, "MB": 10 ** 6, "GB": 10 ** 9, "KIB": 2 ** 10,
+                 "MIB": 2 ** 20, "GIB": 2 ** 30}[match.group(2)]
         return int(float(match.group(1)) * scale)
     return int(max_shard_size)
 
