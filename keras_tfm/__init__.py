@@ -9,7 +9,7 @@ from keras_tfm.attention import (
 )
 from keras_tfm.blocks import TransformerDecoderBlock, TransformerEncoderBlock
 from keras_tfm.dropout import Dropout
-from keras_tfm.embedding import TokenAndPositionEmbedding
+from keras_tfm.embedding import TiedLogits, TokenAndPositionEmbedding
 from keras_tfm.feedforward import FeedForward
 from keras_tfm.generation import Seq2SeqParts, generate
 from keras_tfm.losses import MaskedSparseCategoricalCrossentropy
@@ -17,6 +17,7 @@ from keras_tfm.marian import from_marian, to_marian
 from keras_tfm.metrics import MaskedAccuracy
 from keras_tfm.models import EncoderModel, LanguageModel, build_encoder, build_language_model
 from keras_tfm.positional import PositionEmbedding, RotaryEmbedding, SinusoidalPositionalEncoding
+from keras_tfm.pretrained import from_pretrained, to_pretrained
 from keras_tfm.schedules import TransformerSchedule
 from keras_tfm.seq2seq import Seq2SeqTransformer, build_transformer
 
@@ -36,6 +37,7 @@ __all__ = [
     "Seq2SeqParts",
     "Seq2SeqTransformer",
     "SinusoidalPositionalEncoding",
+    "TiedLogits",
     "TokenAndPositionEmbedding",
     "TransformerDecoderBlock",
     "TransformerEncoderBlock",
@@ -46,6 +48,7 @@ __all__ = [
     "check_token_ids",
     "distribution",
     "from_marian",
+    "from_pretrained",
     "generate",
     "losses",
     "masks",
@@ -55,4 +58,5 @@ __all__ = [
     "schedules",
     "text",
     "to_marian",
+    "to_pretrained",
 ]

@@ -194,9 +194,11 @@ class _MultiHeadAttentionBase(keras.layers.Layer):
         kernel_constraint=None,
         bias_constraint=None,
         num_key_value_heads=None,
+        output_bias=None,
         **kwargs,
     ):
         super().__init__(**kwargs)
+        self.output_bias = None if output_bias is None else bool(output_bias)
         self.num_heads = check_positive_int("num_heads", num_heads)
         self.num_key_value_heads = check_key_value_heads(num_heads, num_key_value_heads)
         self.key_dim = None if key_dim is None else check_positive_int("key_dim", key_dim)
@@ -211,11 +213,12 @@ class _MultiHeadAttentionBase(keras.layers.Layer):
         self.bias_constraint = keras.constraints.get(bias_constraint)
         self.supports_masking = True
 
-    def _dense(self, name, equation, output_shape, bias_axes):
+    def _dense(self, name, equation, output_shape, bias_axes, use_bias=None):
+        use_bias = self.use_bias if use_bias is None else use_bias
         dense = keras.layers.EinsumDense(
             equation,
             output_shape=output_shape,
-            bias_axes=bias_axes if self.use_bias else None,
+            bias_axes=bias_axes if use_bias else None,
             kernel_initializer=clone_initializer(self.kernel_initializer),
             bias_initializer=clone_initializer(self.bias_initializer),
             kernel_regularizer=self.kernel_regularizer,
@@ -248,7 +251,8 @@ class _MultiHeadAttentionBase(keras.layers.Layer):
                                      "hk")
         self.value_dense = self._dense("value", "bsd,dhk->bshk", (None, kv_heads, self._value_dim),
                                        "hk")
-        self.output_dense = self._dense("attention_output", "bthk,hkd->btd", (None, d_model), "d")
+        self.output_dense = self._dense("attention_output", "bthk,hkd->btd", (None, d_model), "d",
+                                        use_bias=self.output_bias)
         self.query_dense.build(query_shape)
         self.key_dense.build(context_shape)
         self.value_dense.build(context_shape)
@@ -338,6 +342,7 @@ class _MultiHeadAttentionBase(keras.layers.Layer):
             kernel_constraint=keras.constraints.serialize(self.kernel_constraint),
             bias_constraint=keras.constraints.serialize(self.bias_constraint),
             num_key_value_heads=self.num_key_value_heads,
+            output_bias=self.output_bias,
         )
         return config
 
@@ -357,6 +362,9 @@ class MultiHeadSelfAttention(_MultiHeadAttentionBase):
         value_dim: size of each head's values; defaults to `key_dim`.
         dropout: dropout rate on the attention weights, in [0, 1).
         use_bias: whether the projections have biases.
+        output_bias: whether the output projection has one; None (default): `use_bias`
+            (`use_bias=True, output_bias=False`: biases on the query, key and value
+            projections only, as Qwen2).
         causal: if True, position i attends only to positions ≤ i.
         num_key_value_heads: heads of the keys and values (grouped-query attention): must
             divide `num_heads`, each key/value head serving `num_heads // num_key_value_heads`

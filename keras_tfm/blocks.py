@@ -17,7 +17,7 @@ from keras_tfm._checks import check_rank, check_same_batch, with_quantized_dtype
 from keras_tfm.attention import (CrossAttention, MultiHeadSelfAttention, cache_keys_values,
                                  cache_spec)
 from keras_tfm.dropout import Dropout
-from keras_tfm.feedforward import FeedForward
+from keras_tfm.feedforward import FeedForward, get_activation
 
 _SERIALIZABLE = keras.saving.register_keras_serializable(package="keras_tfm")
 
@@ -46,9 +46,11 @@ class _TransformerBlockBase(keras.layers.Layer):
         normalization="layer_norm",
         gated_feed_forward=False,
         use_bias=True,
+        qkv_bias=None,
         **kwargs,
     ):
         super().__init__(**kwargs)
+        self.qkv_bias = None if qkv_bias is None else bool(qkv_bias)
         self.num_heads = check_positive_int("num_heads", num_heads)
         self.num_key_value_heads = check_key_value_heads(num_heads, num_key_value_heads)
         self.rotary = bool(rotary)
@@ -66,7 +68,7 @@ class _TransformerBlockBase(keras.layers.Layer):
             "attention_dropout", attention_dropout)
         self.activation_dropout = None if activation_dropout is None else check_dropout(
             "activation_dropout", activation_dropout)
-        self.activation = keras.activations.get(activation)
+        self.activation = get_activation(activation)
         self.norm_first = bool(norm_first)
         self.layer_norm_epsilon = float(layer_norm_epsilon)
         self.kernel_initializer = keras.initializers.get(kernel_initializer)
@@ -91,8 +93,9 @@ class _TransformerBlockBase(keras.layers.Layer):
 
     def _attention(self, cls, name, **kwargs):
         return cls(num_heads=self.num_heads, dropout=self._rate(self.attention_dropout),
-                   num_key_value_heads=self.num_key_value_heads, use_bias=self.use_bias,
-                   **kwargs, **self._common(name))
+                   num_key_value_heads=self.num_key_value_heads,
+                   use_bias=self.use_bias if self.qkv_bias is None else self.qkv_bias,
+                   output_bias=self.use_bias, **kwargs, **self._common(name))
 
     def _self_attention(self, input_shape, causal):
         self.self_attention = self._attention(
@@ -154,6 +157,7 @@ class _TransformerBlockBase(keras.layers.Layer):
             "normalization": self.normalization,
             "gated_feed_forward": self.gated_feed_forward,
             "use_bias": self.use_bias,
+            "qkv_bias": self.qkv_bias,
         }
 
 
@@ -171,7 +175,8 @@ class TransformerEncoderBlock(_TransformerBlockBase):
         activation_dropout: rate on the feed-forward's hidden units; defaults to `dropout`
             (0 gives the paper's and keras_hub's placement: residuals and embeddings only,
             plus the attention weights unless `attention_dropout=0`).
-        activation: feed-forward activation (ReLU in the paper).
+        activation: feed-forward activation (ReLU in the paper; any Keras activation, or
+            `"gelu_approximate"`, the tanh approximation of GPT-2's `gelu_new`).
         norm_first: False for post-LN (the paper), True for pre-LN.
         layer_norm_epsilon: epsilon of the layer normalizations.
         kernel_initializer, bias_initializer: for every dense projection.
@@ -185,6 +190,8 @@ class TransformerEncoderBlock(_TransformerBlockBase):
         gated_feed_forward: a gated feed-forward (`FeedForward(gated=True)`: SwiGLU with
             `activation="silu"`, GeGLU with `"gelu"`).
         use_bias: whether the attention and feed-forward projections have biases.
+        qkv_bias: whether the query, key and value projections have biases, when that differs
+            from `use_bias` (Qwen2: `use_bias=False, qkv_bias=True`); None: `use_bias`.
         **kwargs: base `Layer` arguments.
 
     Call arguments:

@@ -158,3 +158,49 @@ class TokenAndPositionEmbedding(keras.layers.Layer):
             "scale": self.scale,
             "embeddings_initializer": keras.initializers.serialize(self.embeddings_initializer),
         }
+
+
+@_SERIALIZABLE
+class TiedLogits(keras.layers.Layer):
+    """Vocabulary logits with a token embedding's own matrix: `logits = h Eᵀ` (a tied output
+    projection, as GPT-2's and tied LLaMA-family language models have; no bias).
+
+    The layer owns no weights: it reads the matrix `E` (`(vocab, d_model)`) of the embedding
+    layer it is given, so training updates one matrix through both uses and saving stores it
+    once. A model that uses it rebuilds it from its own config (`LanguageModel` with
+    `tie_embeddings=True`); a `TiedLogits` from `from_config` alone has no embedding to read.
+
+    Args:
+        embedding: the `keras.layers.Embedding` whose matrix is tied.
+        **kwargs: base `Layer` arguments.
+
+    Call arguments:
+        inputs: `(B, T, d_model)`.
+
+    Returns:
+        Logits `(B, T, vocab)`.
+
+    Example:
+
+    >>> embedding = keras.layers.Embedding(100, 16)
+    >>> hidden = embedding(np.ones((2, 5), "int32"))
+    >>> TiedLogits(embedding)(hidden).shape
+    (2, 5, 100)
+    """
+
+    def __init__(self, embedding=None, **kwargs):
+        super().__init__(**kwargs)
+        # A function, not an attribute Keras tracks: the matrix stays the embedding's alone
+        # (counted, saved and trained once).
+        self._embedding = lambda: embedding
+
+    def call(self, inputs):
+        embedding = self._embedding()
+        if embedding is None:
+            raise ValueError(f"{self.name}: a TiedLogits layer needs the embedding layer whose "
+                             "matrix it uses (TiedLogits(embedding)).")
+        matrix = ops.cast(embedding.embeddings, inputs.dtype)
+        return ops.matmul(inputs, ops.transpose(matrix))
+
+    def compute_output_shape(self, input_shape):
+        return tuple(input_shape[:-1]) + (self._embedding().input_dim,)

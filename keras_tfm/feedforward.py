@@ -11,6 +11,20 @@ _SERIALIZABLE = keras.saving.register_keras_serializable(package="keras_tfm")
 
 
 @_SERIALIZABLE
+def gelu_approximate(x):
+    """GELU with the tanh approximation, `0.5 x (1 + tanh(√(2/π) (x + 0.044715 x³)))`: GPT-2's
+    `gelu_new` (transformers' name), `keras.activations.gelu(x, approximate=True)`."""
+    return keras.activations.gelu(x, approximate=True)
+
+
+def get_activation(activation):
+    """`keras.activations.get`, which also knows `"gelu_approximate"` (`gelu_approximate`)."""
+    if activation == "gelu_approximate":
+        return gelu_approximate
+    return keras.activations.get(activation)
+
+
+@_SERIALIZABLE
 class FeedForward(keras.layers.Layer):
     """`FFN(x) = W₂ σ(W₁x + b₁) + b₂`, the same weights at every position.
 
@@ -20,7 +34,7 @@ class FeedForward(keras.layers.Layer):
 
     Args:
         ff_dim: width of the hidden layer (`W₁` maps `d_model → ff_dim`).
-        activation: `σ`, ReLU in the paper.
+        activation: `σ`, ReLU in the paper (any Keras activation, or `"gelu_approximate"`).
         gated: multiply the activated hidden layer by a second, linear one (`V`).
         dropout: dropout rate on the hidden activations, in [0, 1).
         use_bias: whether both layers have biases.
@@ -46,7 +60,7 @@ class FeedForward(keras.layers.Layer):
                  **kwargs):
         super().__init__(**kwargs)
         self.ff_dim = check_positive_int("ff_dim", ff_dim)
-        self.activation = keras.activations.get(activation)
+        self.activation = get_activation(activation)
         self.gated = bool(gated)
         self.dropout = check_dropout("dropout", dropout)
         self.use_bias = use_bias

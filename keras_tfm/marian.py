@@ -3,7 +3,7 @@
 MarianMT is the paper's transformer: post-LN blocks, sinusoidal positions (sines in the first
 half of the channels, cosines in the second), scaled embeddings, biases on every projection.
 `from_marian(path)` reads a `transformers` directory (`config.json` + `model.safetensors`, or
-`pytorch_model.bin` where torch is installed) with NumPy and returns a `Seq2SeqTransformer`;
+its shards, or `pytorch_model.bin` where torch is installed; `checkpoints.py`) with NumPy and returns a `Seq2SeqTransformer`;
 `to_marian(model, path)` writes one back, which `transformers.MarianMTModel.from_pretrained`
 and CTranslate2's converter load. One table, `_weight_map`, names every tensor both ways.
 """
@@ -16,6 +16,7 @@ import warnings
 import keras
 import numpy as np
 
+from keras_tfm.checkpoints import Checkpoint
 from keras_tfm.seq2seq import Seq2SeqTransformer
 from keras_tfm.positional import sinusoidal_encoding
 
@@ -29,7 +30,6 @@ _ACTIVATIONS = {"relu": "relu", "gelu": "gelu", "swish": "silu", "silu": "silu"}
 # refuses a value other than the one every opus-mt checkpoint has, rather than guess.
 _FIXED = {"normalize_before": False, "normalize_embedding": False, "add_final_layer_norm": False,
           "static_position_embeddings": True, "add_bias_logits": False}
-_WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 _TOKENIZER_FILES = ("source.spm", "target.spm", "vocab.json", "target_vocab.json",
                     "tokenizer_config.json", "special_tokens_map.json")
 
@@ -89,22 +89,10 @@ def _model_kwargs(config):
 
 
 def _read_weights(path):
-    for filename in _WEIGHT_FILES:
-        file = os.path.join(path, filename)
-        if not os.path.isfile(file):
-            continue
-        if filename.endswith(".safetensors"):
-            from safetensors.numpy import load_file
-
-            return load_file(file)
-        try:
-            import torch
-        except ImportError as error:
-            raise ValueError(f"{file} is a PyTorch pickle, which needs torch to read; install "
-                             "torch or save the model with safetensors.") from error
-        state = torch.load(file, map_location="cpu", weights_only=True)
-        return {name: tensor.float().numpy() for name, tensor in state.items()}
-    raise ValueError(f"{path!r} has no weights file (looked for {', '.join(_WEIGHT_FILES)}).")
+    """Every tensor of the checkpoint (safetensors, sharded or not, or `pytorch_model.bin`
+    with torch), as float32 NumPy arrays: Marian's checks look at the whole set at once."""
+    checkpoint = Checkpoint(path)
+    return {name: checkpoint.read(name) for name in sorted(checkpoint.names)}
 
 
 def _attention(prefix, attention):

@@ -15,6 +15,7 @@ from keras_tfm._checks import (check_dropout, check_positive_int, check_special_
                                embed_or_nan, model_dtype_policy)
 from keras_tfm.blocks import TransformerDecoderBlock, TransformerEncoderBlock
 from keras_tfm.dropout import Dropout
+from keras_tfm.embedding import TiedLogits
 from keras_tfm.positional import PositionEmbedding, SinusoidalPositionalEncoding
 from keras_tfm.seq2seq import SPECIAL_ID_NAMES, ConfiguredModel
 
@@ -27,7 +28,7 @@ POOLINGS = ("mean", "first")
 _HYPER_PARAMETERS = ("vocab_size", "d_model", "num_heads", "ff_dim", "num_layers", "positional",
                      "num_key_value_heads", "norm_first", "dropout", "max_length", "activation",
                      "gated_feed_forward", "normalization", "layer_norm_epsilon", "use_bias",
-                     "rotary_max_wavelength", "scale_embeddings") + SPECIAL_ID_NAMES
+                     "rotary_max_wavelength", "scale_embeddings", "qkv_bias") + SPECIAL_ID_NAMES
 
 
 def _hyper_parameters(arguments, *extra):
@@ -42,8 +43,9 @@ def _hyper_parameters(arguments, *extra):
 class _StackModel(ConfiguredModel):
     """A functional model whose config is its hyper-parameters (shared by both stacks)."""
 
-    def _embed(self, tokens, config):
-        """Token embedding, additive positions unless rotary, dropout; and the padding mask."""
+    def _embed(self, tokens, config, segments=None):
+        """Token embedding, additive positions unless rotary, segment embeddings (with
+        `segments`), the embedding norm (`embedding_norm`), dropout; and the padding mask."""
         vocab_size, d_model = config["vocab_size"], config["d_model"]
         check_positive_int("vocab_size", vocab_size)
         check_positive_int("d_model", d_model)
@@ -69,7 +71,14 @@ class _StackModel(ConfiguredModel):
         elif positional == "learned":
             x = PositionEmbedding(config["max_length"], dtype=dtype,
                                   name="position_embedding")(x)
-        return Dropout(config["dropout"], dtype=dtype, name="embedding_dropout")(x), mask
+        if segments is not None:
+            segment_embedding = keras.layers.Embedding(config["segment_vocab_size"], d_model,
+                                                       dtype=dtype, name="segment_embedding")
+            x = x + embed_or_nan(segment_embedding, segments, config["segment_vocab_size"])
+        if config.get("embedding_norm"):
+            x = self._norm(config, "embedding_norm")(x)
+        x = Dropout(config["dropout"], dtype=dtype, name="embedding_dropout")(x)
+        return x, mask, embedding
 
     def _block_kwargs(self, config):
         return dict(dtype=self._model_dtype,
@@ -80,15 +89,18 @@ class _StackModel(ConfiguredModel):
             rotary=config["positional"] == "rotary",
             rotary_max_wavelength=config["rotary_max_wavelength"],
             normalization=config["normalization"],
-            gated_feed_forward=config["gated_feed_forward"], use_bias=config["use_bias"])
+            gated_feed_forward=config["gated_feed_forward"], use_bias=config["use_bias"],
+            qkv_bias=config["qkv_bias"])
+
+    def _norm(self, config, name):
+        cls = (keras.layers.RMSNormalization if config["normalization"] == "rms_norm"
+               else keras.layers.LayerNormalization)
+        return cls(epsilon=config["layer_norm_epsilon"], dtype=self._model_dtype, name=name)
 
     def _final_norm(self, x, config):
         if not config["norm_first"]:
             return x
-        cls = (keras.layers.RMSNormalization if config["normalization"] == "rms_norm"
-               else keras.layers.LayerNormalization)
-        return cls(epsilon=config["layer_norm_epsilon"], dtype=self._model_dtype,
-                   name="final_norm")(x)
+        return self._norm(config, "final_norm")(x)
 
 
 @_SERIALIZABLE
@@ -97,7 +109,10 @@ class LanguageModel(_StackModel):
 
     Build it with `build_language_model` (same arguments). Layers: `token_embedding`,
     `position_encoding` / `position_embedding` (unless rotary), `decoder_block_{i}` (decoder
-    blocks without cross-attention), `final_norm` (pre-LN), `logits`. As `Seq2SeqTransformer`,
+    blocks without cross-attention), `final_norm` (pre-LN), `logits` (a `Dense` layer, or with
+    `tie_embeddings=True` a `TiedLogits` layer reading `token_embedding`'s matrix: GPT-2 and
+    tied LLaMA-family models; no bias). `qkv_bias` gives the attention's query, key and
+    value projections biases of their own (Qwen2). As `Seq2SeqTransformer`,
     the model's config holds its hyper-parameters and special ids (`model.special_ids`), so a
     `.keras` file rebuilds it and `keras_tfm.generate` finds its ids.
     """
@@ -107,17 +122,21 @@ class LanguageModel(_StackModel):
                  max_length=None, activation="gelu", gated_feed_forward=False,
                  normalization="layer_norm", layer_norm_epsilon=1e-5, use_bias=True,
                  rotary_max_wavelength=10000.0, scale_embeddings=False, pad_id=0, start_id=None,
-                 end_id=None, name="language_model", dtype=None, **kwargs):
-        config = _hyper_parameters(locals())
+                 end_id=None, tie_embeddings=False, qkv_bias=None, name="language_model",
+                 dtype=None, **kwargs):
+        config = _hyper_parameters(locals(), "tie_embeddings")
         self._model_dtype = model_dtype_policy(dtype)
         tokens = keras.Input((None,), dtype="int32", name="tokens")
-        x, mask = self._embed(tokens, config)
+        x, mask, embedding = self._embed(tokens, config)
         for i in range(num_layers):
             x = TransformerDecoderBlock(name=f"decoder_block_{i}",
                                         **self._block_kwargs(config))(x, inputs_mask=mask)
         x = self._final_norm(x, config)
-        logits = keras.layers.Dense(vocab_size, use_bias=use_bias, dtype=self._model_dtype,
-                                    name="logits")(x)
+        if tie_embeddings:
+            logits = TiedLogits(embedding, dtype=self._model_dtype, name="logits")(x)
+        else:
+            logits = keras.layers.Dense(vocab_size, use_bias=use_bias, dtype=self._model_dtype,
+                                        name="logits")(x)
         self._model_config = config
         super().__init__(inputs=tokens, outputs=logits, name=name, **kwargs)
 
@@ -128,8 +147,15 @@ class EncoderModel(_StackModel):
     class logits `(B, num_classes)` with a classifier head.
 
     Build it with `build_encoder` (same arguments). Layers: `token_embedding`, positions,
-    `encoder_block_{i}`, `final_norm` (pre-LN), and with `num_classes` the pooling and the
-    `classifier` dense layer. `pad_id` (in `model.special_ids`) is the padding id of the inputs.
+    `segment_embedding` (with `segment_vocab_size`), `embedding_norm` (with
+    `embedding_norm=True`), `encoder_block_{i}`, `final_norm` (pre-LN), and with `num_classes`
+    the pooling, the `pooler` (with `pooler=True`) and the `classifier` dense layer. `pad_id`
+    (in `model.special_ids`) is the padding id of the inputs.
+
+    BERT's options: `segment_vocab_size` (token types: the model then takes
+    `[token_ids (B, T), segment_ids (B, T)]` and adds a segment embedding to each token's),
+    `embedding_norm` (a normalization of the summed embeddings, before the first block) and
+    `pooler` (the classifier reads `tanh(W h₀ + b)` of the first token, `pooling="first"`).
     """
 
     def __init__(self, vocab_size, d_model=256, num_heads=4, ff_dim=1024, num_layers=4,
@@ -137,23 +163,39 @@ class EncoderModel(_StackModel):
                  dropout=0.1, max_length=None, activation="gelu", gated_feed_forward=False,
                  normalization="layer_norm", layer_norm_epsilon=1e-5, use_bias=True,
                  rotary_max_wavelength=10000.0, scale_embeddings=True, pad_id=0, start_id=None,
-                 end_id=None, num_classes=None, pooling="mean", name="encoder", dtype=None,
+                 end_id=None, num_classes=None, pooling="mean", segment_vocab_size=None,
+                 embedding_norm=False, pooler=False, qkv_bias=None, name="encoder", dtype=None,
                  **kwargs):
-        config = _hyper_parameters(locals(), "num_classes", "pooling")
+        config = _hyper_parameters(locals(), "num_classes", "pooling", "segment_vocab_size",
+                                   "embedding_norm", "pooler")
         self._model_dtype = model_dtype_policy(dtype)
         if num_classes is not None:
             check_positive_int("num_classes", num_classes)
         if pooling not in POOLINGS:
             raise ValueError(f"`pooling` must be one of {POOLINGS}; received pooling={pooling!r}.")
+        if pooler and pooling != "first":
+            raise ValueError('`pooler=True` pools the first token: pass pooling="first"; '
+                             f"received pooling={pooling!r}.")
         tokens = keras.Input((None,), dtype="int32", name="tokens")
-        x, mask = self._embed(tokens, config)
+        inputs, segments = tokens, None
+        if segment_vocab_size is not None:
+            check_positive_int("segment_vocab_size", segment_vocab_size)
+            segments = keras.Input((None,), dtype="int32", name="segment_ids")
+            inputs = [tokens, segments]
+        x, mask, _ = self._embed(tokens, config, segments)
         for i in range(num_layers):
             x = TransformerEncoderBlock(name=f"encoder_block_{i}",
                                         **self._block_kwargs(config))(x, mask=mask)
         outputs = self._final_norm(x, config)
+        pooler_layer = None
+        if pooler:
+            pooler_layer = keras.layers.Dense(outputs.shape[-1], activation="tanh",
+                                              dtype=self._model_dtype, name="pooler")
         if num_classes is not None:
             if pooling == "first":
                 pooled = outputs[:, 0]
+                if pooler_layer is not None:
+                    pooled = pooler_layer(pooled)
             elif mask is None:  # no padding id: every token is real
                 pooled = ops.mean(outputs, axis=1)
             else:  # mean over the real tokens
@@ -163,7 +205,27 @@ class EncoderModel(_StackModel):
             outputs = keras.layers.Dense(num_classes, dtype=self._model_dtype,
                                          name="classifier")(pooled)
         self._model_config = config
-        super().__init__(inputs=tokens, outputs=outputs, name=name, **kwargs)
+        super().__init__(inputs=inputs, outputs=outputs, name=name, **kwargs)
+        if pooler_layer is not None and num_classes is None:
+            # Not on the path to the features: kept (and saved) as an attribute, for
+            # `pooled_output` and for a classifier fine-tuned later.
+            pooler_layer.build((None, outputs.shape[-1]))
+            self.pooler = pooler_layer
+
+    def pooled_output(self, inputs, training=False):
+        """The pooler's output `(B, d_model)`, `tanh(W h₀ + b)` of the first token's features
+        (BERT's `pooler_output`), for a model built with `pooler=True`.
+
+        Args:
+            inputs: what the model takes (`token_ids`, or `[token_ids, segment_ids]`).
+            training: whether dropout is active.
+        """
+        if not self._model_config.get("pooler"):
+            raise ValueError(f"Model {self.name!r} has no pooler (built with pooler=False).")
+        if self._model_config.get("num_classes") is not None:
+            pooled = keras.Model(self.inputs, self.get_layer("pooler").output)
+            return pooled(inputs, training=training)
+        return self.pooler(self(inputs, training=training)[:, 0])
 
 
 def build_language_model(vocab_size, d_model=512, num_heads=8, ff_dim=2048, num_layers=6,
@@ -193,7 +255,9 @@ def build_language_model(vocab_size, d_model=512, num_heads=8, ff_dim=2048, num_
             `layer_norm_epsilon`, `use_bias`, `rotary_max_wavelength`, `scale_embeddings`
             (×√d_model, False), `pad_id` (0; None: no padding), `start_id`, `end_id` (the
             model's special ids, `model.special_ids`; `generate` stops at `end_id` by
-            default), `name`.
+            default), `tie_embeddings` (logits with the token embedding's matrix, no bias),
+            `qkv_bias` (biases on the query, key and value projections only when
+            `use_bias=False`: Qwen2), `name`, `dtype`.
 
     Returns:
         A `LanguageModel` (a functional `keras.Model`).
@@ -225,8 +289,10 @@ def build_encoder(vocab_size, d_model=256, num_heads=4, ff_dim=1024, num_layers=
         vocab_size, d_model, num_heads, ff_dim, num_layers: as in `build_language_model`.
         num_classes: None for features, else the number of classes.
         pooling: `"mean"` or `"first"`.
-        **kwargs: as in `build_language_model`; here the defaults are `positional="sinusoidal"`,
-            `norm_first=False` (post-LN, BERT), `dropout=0.1`, `scale_embeddings=True`.
+        **kwargs: as in `build_language_model` (but `tie_embeddings`); here the defaults are
+            `positional="sinusoidal"`, `norm_first=False` (post-LN, BERT), `dropout=0.1`,
+            `scale_embeddings=True`; and BERT's `segment_vocab_size` (inputs
+            `[token_ids, segment_ids]`), `embedding_norm`, `pooler` (see `EncoderModel`).
 
     Returns:
         An `EncoderModel` (a functional `keras.Model`).

@@ -11,6 +11,8 @@ import os
 
 from keras_tfm import saving
 from keras_tfm.generation import generate
+from keras_tfm.models import LanguageModel
+from keras_tfm.pretrained import from_pretrained
 from keras_tfm.text.tokenizer import Tokenizer
 
 CONFIG = "pipeline.json"
@@ -149,11 +151,16 @@ class TextGenerator:
     sliding window: each call keeps the last `context_length // 2` tokens as the prompt and
     generates up to `context_length` tokens, as nanoGPT's sampling crops its context.
 
+    `TextGenerator.from_pretrained(path)` loads a transformers checkpoint (Llama, Qwen2,
+    Mistral, GPT-2: `keras_tfm.from_pretrained`) with its `tokenizer.json`.
+
     Args:
         model: a `LanguageModel`.
         tokenizer: its `keras_tfm.text.Tokenizer`.
         context_length: the longest context the model was trained on (None: the model's
             learned position table if it has one, else no limit).
+        add_start: put the tokenizer's start token (`<s>`, bos) before each prompt, as
+            Llama's tokenizer does.
 
     Example:
 
@@ -162,8 +169,9 @@ class TextGenerator:
     'ROMEO:\\nWhat say you ...'
     """
 
-    def __init__(self, model, tokenizer, context_length=None):
+    def __init__(self, model, tokenizer, context_length=None, add_start=False):
         self.model, self.tokenizer = model, tokenizer
+        self.add_start = bool(add_start)
         if context_length is None and model.get_config().get("positional") == "learned":
             context_length = model.get_config()["max_length"]
         self.context_length = None if context_length is None else int(context_length)
@@ -186,7 +194,7 @@ class TextGenerator:
         if not isinstance(prompt, str):
             return [self.generate(p, max_length, method, temperature, top_k, top_p, seed)
                     for p in prompt]
-        ids = self.tokenizer.encode(prompt)
+        ids = self.tokenizer.encode(prompt, add_start=self.add_start)
         if not ids:
             raise ValueError("The prompt holds no token; give some text.")
         end_id = self.model.special_ids.get("end_id")
@@ -212,7 +220,39 @@ class TextGenerator:
     def save(self, directory, overwrite=False):
         """Save the model, the tokenizer and the settings into `directory` (see `load`)."""
         _save(directory, "text_generator", self.model, {"tokenizer": self.tokenizer},
-              {"context_length": self.context_length}, overwrite)
+              {"context_length": self.context_length, "add_start": self.add_start}, overwrite)
+
+    @classmethod
+    def from_pretrained(cls, path, dtype=None, context_length=None):
+        """A Hugging Face checkpoint directory with its `tokenizer.json` as a `TextGenerator`.
+
+        The model comes from `keras_tfm.from_pretrained(path, dtype)` (a Llama, Qwen2,
+        Mistral or GPT-2 language model); the tokenizer is the directory's `tokenizer.json`
+        (Hugging Face `tokenizers`), its special tokens those of the model's special ids
+        (bos, eos, pad). Prompts start with the start token (bos) when the checkpoint's
+        tokenizer adds it (`add_bos_token` in `tokenizer_config.json`, else its
+        `tokenizer.json` post-processor), as transformers' tokenizer does. A checkpoint
+        without a pad token (Llama) generates with `pad_id=None`: the rows of a batch that
+        finish early are filled with the end token.
+
+        Args:
+            path: the checkpoint directory (`config.json`, weights, `tokenizer.json`).
+            dtype: the model's dtype policy (None: Keras's global policy).
+            context_length: as in `TextGenerator` (None: GPT-2's position table, else no
+                limit).
+
+        Example:
+
+        >>> generator = TextGenerator.from_pretrained("TinyLlama-1.1B")  # doctest: +SKIP
+        >>> generator.generate("Once upon a time", max_length=20, method="greedy")  # doctest: +SKIP
+        """
+        model = from_pretrained(path, dtype=dtype)
+        if not isinstance(model, LanguageModel):
+            raise ValueError(f"{path!r} holds a {type(model).__name__}; a TextGenerator needs "
+                             "a language model (Llama, Qwen2, Mistral, GPT-2).")
+        tokenizer = Tokenizer.from_pretrained(path, model.special_ids)
+        return cls(model, tokenizer, context_length=context_length,
+                   add_start=tokenizer.adds_start(path))
 
     @classmethod
     def load(cls, directory):

@@ -2,6 +2,7 @@
 character-level language model, both Hugging Face `tokenizers` (a `tokenizer.json` that
 transformers and other tools read), with the special ids a keras_tfm model takes."""
 
+import json
 import os
 
 SPECIAL_TOKENS = {"pad_id": "<pad>", "start_id": "<s>", "end_id": "</s>", "unk_id": "<unk>"}
@@ -111,6 +112,37 @@ class Tokenizer:
             raise ValueError(f"No tokenizer file at {path!r}.")
         return cls(_tokenizers().Tokenizer.from_file(path), special_tokens)
 
+    @classmethod
+    def from_pretrained(cls, path, special_ids):
+        """The `tokenizer.json` of a Hugging Face checkpoint directory, its special roles
+        those of the model's `special_ids` (`{"start_id": bos, "end_id": eos, ...}`, e.g.
+        `model.special_ids` of `keras_tfm.from_pretrained`); `unk_id` is the tokenizer
+        config's `unk_token`."""
+        file = os.path.join(path, "tokenizer.json")
+        if not os.path.isfile(file):
+            raise ValueError(f"{path!r} has no tokenizer.json (a Hugging Face `tokenizers` "
+                             "file); older checkpoints with only a SentencePiece model or "
+                             "vocab files are not read.")
+        tokenizer = _tokenizers().Tokenizer.from_file(file)
+        roles = {role: tokenizer.id_to_token(int(value)) for role, value in special_ids.items()
+                 if role in SPECIAL_TOKENS and value is not None}
+        unk = _token_text(_read_tokenizer_config(path).get("unk_token"))
+        if unk is not None:
+            roles["unk_id"] = unk
+        return cls(tokenizer, roles)
+
+    def adds_start(self, path=None):
+        """Whether this tokenizer puts its start token first (a checkpoint's
+        `add_bos_token` in `tokenizer_config.json` in `path`, else what the `tokenizer.json`
+        post-processor does to a text)."""
+        if self.start_id is None:
+            return False
+        setting = _read_tokenizer_config(path).get("add_bos_token") if path else None
+        if setting is not None:
+            return bool(setting)
+        ids = self.tokenizer.encode("a", add_special_tokens=True).ids
+        return bool(ids) and ids[0] == self.start_id
+
     def save(self, path):
         """Write the tokenizer to `path` (a `tokenizer.json` file; a directory gets one)."""
         if os.path.isdir(path):
@@ -160,6 +192,19 @@ class Tokenizer:
             rows = [row[:row.index(self.end_id)] if self.end_id in row else row for row in rows]
         texts = self.tokenizer.decode_batch(rows, skip_special_tokens=skip_special_tokens)
         return texts if _is_batch(ids) else texts[0]
+
+
+def _read_tokenizer_config(path):
+    file = os.path.join(path, "tokenizer_config.json")
+    if not os.path.isfile(file):
+        return {}
+    with open(file, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def _token_text(token):
+    """A special token of a tokenizer config: a string, or an AddedToken's `content`."""
+    return token.get("content") if isinstance(token, dict) else token
 
 
 def _is_batch(ids):
