@@ -62,6 +62,14 @@ def load(directory):
     return cls(model, **tokenizers, **settings)
 
 
+def _load_as(cls, directory):
+    """`load(directory)`, which must be a `cls`."""
+    loaded = load(directory)
+    if not isinstance(loaded, cls):
+        raise ValueError(f"{directory!r} holds a {type(loaded).__name__}, not a {cls.__name__}.")
+    return loaded
+
+
 class Translator:
     """An encoder-decoder model with its tokenizers: text in, text out.
 
@@ -138,10 +146,7 @@ class Translator:
     @classmethod
     def load(cls, directory):
         """The `Translator` saved in `directory`."""
-        translator = load(directory)
-        if not isinstance(translator, cls):
-            raise ValueError(f"{directory!r} holds a {type(translator).__name__}, not a {cls.__name__}.")
-        return translator
+        return _load_as(cls, directory)
 
 
 class TextGenerator:
@@ -257,7 +262,4 @@ class TextGenerator:
     @classmethod
     def load(cls, directory):
         """The `TextGenerator` saved in `directory`."""
-        generator = load(directory)
-        if not isinstance(generator, cls):
-            raise ValueError(f"{directory!r} holds a {type(generator).__name__}, not a {cls.__name__}.")
-        return generator
+        return _load_as(cls, directory)
