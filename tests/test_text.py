@@ -46,8 +46,9 @@ def pairs():
 
 # --- tokenizers ---------------------------------------------------------------------------------
 
-ROUND_TRIP = ["¿Cómo estás?", "¡Ñandú!  Dos  espacios, y\tuna tabulación.", "MAYÚSCULAS minúsculas",
-              "Ça va? Über naïve café — «comillas» 'y' \"otras\"…", " leading and trailing ",
+ROUND_TRIP = ["¿Cómo estás?", "¡Ñandú!  Dos  espacios, y\tuna tabulación.",
+              "MAYÚSCULAS minúsculas", "Ça va? Über naïve café — «comillas» 'y' \"otras\"…",
+              " leading and trailing ",
               "日本語 и кириллица 🙂"]  # the last line's characters are not in the training text
 
 
@@ -127,7 +128,7 @@ def test_read_pairs_takes_the_anki_format_and_names_bad_lines(tmp_path):
         text.read_pairs(str(empty))
 
 
-# --- batches ---------------------------------------------------------------------------------------
+# --- batches --------------------------------------------------------------------------------------
 
 def _pairs_of(batches):
     """Every (source, target) of one epoch's batches, read back from the arrays."""
@@ -226,7 +227,7 @@ def test_language_model_windows_are_nanogpts_draws():
         text.LanguageModelWindows(stream[:10], 16, 4)
 
 
-# --- language models without padding ----------------------------------------------------------------
+# --- language models without padding --------------------------------------------------------------
 
 def test_language_model_without_padding_attends_and_counts_id_zero():
     lm = keras_tfm.build_language_model(10, d_model=16, num_heads=2, ff_dim=32, num_layers=1,
@@ -275,7 +276,7 @@ def test_packed_text_language_model_trains():
     assert history[-1] < 0.6 * history[0]
 
 
-# --- scores and the callback --------------------------------------------------------------------------
+# --- scores and the callback ----------------------------------------------------------------------
 
 def test_corpus_scores_are_sacrebleus():
     hypotheses = ["el gato se sentó en la alfombra", "hola", "¿cómo estás?"]
@@ -328,7 +329,7 @@ def test_translation_scores_callback_logs_and_keeps_the_best(tmp_path, pairs):
     assert isinstance(reloaded, text.Translator)
 
 
-# --- text in, text out ---------------------------------------------------------------------------------
+# --- text in, text out ----------------------------------------------------------------------------
 
 def test_translator_saved_here_translates_the_same_under_another_backend(tmp_path, pairs):
     translator = _tiny_translator(pairs)  # random weights: outputs are arbitrary but not empty
@@ -372,7 +373,7 @@ def test_text_generator_continues_past_its_context_and_reloads(tmp_path):
         text.load(str(tmp_path))
 
 
-# --- the example command lines --------------------------------------------------------------------------
+# --- the example command lines --------------------------------------------------------------------
 
 def _fails(main, argv, message):
     with pytest.raises(SystemExit) as exit_info:

@@ -29,9 +29,10 @@ def _check_target(directory, overwrite):
         return
     if overwrite or not os.listdir(directory):
         return
-    raise ValueError(f"{directory!r} already holds files ({', '.join(sorted(os.listdir(directory))[:4])}"
-                     f"{', ...' if len(os.listdir(directory)) > 4 else ''}); pass overwrite=True "
-                     "to replace them.")
+    names = sorted(os.listdir(directory))
+    shown = ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
+    raise ValueError(f"{directory!r} already holds files ({shown}); pass overwrite=True to "
+                     "replace them.")
 
 
 def _save(directory, kind, model, tokenizers, settings, overwrite):

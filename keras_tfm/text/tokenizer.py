@@ -89,8 +89,9 @@ class Tokenizer:
         else:
             alphabet = tk.pre_tokenizers.ByteLevel.alphabet()
             if vocab_size < len(alphabet) + len(specials):
-                raise ValueError(f"Byte-level BPE needs vocab_size >= {len(alphabet) + len(specials)}"
-                                 f" (256 bytes and the special tokens); received {vocab_size}.")
+                least = len(alphabet) + len(specials)
+                raise ValueError(f"Byte-level BPE needs vocab_size >= {least} (256 bytes and the "
+                                 f"special tokens); received {vocab_size}.")
             tokenizer = tk.Tokenizer(tk.models.BPE())
             tokenizer.normalizer = tk.normalizers.NFC()
             tokenizer.pre_tokenizer = tk.pre_tokenizers.ByteLevel(add_prefix_space=False)
