@@ -57,12 +57,13 @@ def parse_args(argv=None):
     train.add_argument("--overwrite", action="store_true", help="replace a model in --out")
     train.add_argument("--skip-bad-lines", action="store_true",
                        help="skip (and count) lines without a TAB instead of stopping")
-    train.add_argument("--vocab-size", type=int, default=8000, help="BPE tokens per language")
+    train.add_argument("--vocab-size", type=int, default=2000, help="BPE tokens per language")
     train.add_argument("--d-model", type=int, default=256)
     train.add_argument("--layers", type=int, default=3, help="encoder and decoder blocks each")
     train.add_argument("--heads", type=int, default=4)
     train.add_argument("--ff-dim", type=int, default=1024)
-    train.add_argument("--dropout", type=float, default=0.1)
+    train.add_argument("--dropout", type=float, default=0.0,
+                       help="0 suits a budget of about an epoch; 0.1 for runs of many epochs")
     train.add_argument("--max-tokens", type=int, default=2048, help="token budget of a batch")
     train.add_argument("--max-length", type=int, default=64,
                        help="longest sentence in tokens; longer pairs are dropped (counted)")
