@@ -31,6 +31,9 @@ CONFIGS = {
                   vocab=1000, warmup=3, steps=6, repeats=7, dropout=DROPOUT),
     "base": dict(d_model=512, num_heads=8, ff_dim=2048, layers=2, length=64, batch=16,
                  vocab=1000, warmup=2, steps=3, repeats=5, dropout=DROPOUT),
+    # the paper's base model on short sentences, 4,096-token batches (train_peers.py)
+    "paper_base": dict(d_model=512, num_heads=8, ff_dim=2048, layers=6, length=32, batch=128,
+                       vocab=8000, warmup=1, steps=2, repeats=3, dropout=DROPOUT),
 }
 BACKENDS = ("jax", "tensorflow", "torch")
 POOL = 8  # distinct batches, cycled
