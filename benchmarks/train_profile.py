@@ -137,8 +137,9 @@ def main():
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--top", type=int, default=40)
     parser.add_argument("--jit-compile", choices=("auto", "true", "false"), default="auto",
-                        help="Keras engines: `compile(jit_compile=...)` (true: XLA under "
-                        "TensorFlow, torch.compile under torch)")
+                        help="Keras engines: auto keeps text_lm.py's choice (XLA under JAX "
+                        "and TensorFlow, eager torch); true / false compile again with it "
+                        "(true under torch: torch.compile)")
     args = parser.parse_args()
     backend = "torch" if args.engine == "torch_gpt" else args.engine
     os.environ["KERAS_BACKEND"] = backend

@@ -10,7 +10,8 @@ context 64, batch 12, 2,000 iterations, AdamW (lr 1e-3, warm-up 100, cosine to 1
 GELU. The model trains on windows of the first 90% of the tokens at random offsets, with no
 padding (`pad_id=None`: the newline, id 0 of the character vocabulary, is a token like any
 other); `train`'s last line is `val_loss=<value>`, the mean loss over the last 10% (every
-target once). Pick the backend with KERAS_BACKEND=jax|tensorflow|torch.
+target once). Pick the backend with KERAS_BACKEND=jax|tensorflow|torch; TensorFlow's training step
+is compiled with XLA (`jit_compile=True`), as JAX's is.
 """
 
 import argparse
@@ -95,8 +96,12 @@ def build_model(args, vocab_size):
     # nanoGPT decays the matrices (embeddings and kernels), not the biases and norms.
     optimizer.exclude_from_weight_decay(
         var_list=[v for v in model.trainable_variables if len(v.shape) < 2])
+    # XLA under TensorFlow too: Keras's "auto" leaves it off on a CPU, where it made this run's
+    # step about 2x faster (benchmarks/README.md); JAX compiles with XLA anyway, torch stays eager.
+    jit_compile = True if keras.backend.backend() == "tensorflow" else "auto"
     model.compile(optimizer=optimizer,
-                  loss=keras_tfm.MaskedSparseCategoricalCrossentropy(ignore_class=None))
+                  loss=keras_tfm.MaskedSparseCategoricalCrossentropy(ignore_class=None),
+                  jit_compile=jit_compile)
     return model
 
 
