@@ -32,23 +32,19 @@ ENGINES = ("jax", "tensorflow", "torch", "torch_gpt")
 
 
 def windows(steps, seed=0):
-    """`steps` (x, y) batches of nanoGPT's random training windows (torch_gpt.py's draws), as
-    int32 NumPy arrays, and the vocabulary size."""
+    """`steps` (x, y) batches of nanoGPT's random training windows (torch_gpt.py's data and
+    draws), as int32 NumPy arrays, and the vocabulary size."""
     import numpy as np
 
-    text = os.path.join(os.path.dirname(os.path.dirname(HERE)), "shared", "data",
-                        "tinyshakespeare", "input.txt")
-    with open(text, encoding="utf-8") as f:
-        content = f.read()
-    index = {c: i for i, c in enumerate(sorted(set(content)))}
-    ids = np.asarray([index[c] for c in content], "int32")[: int(0.9 * len(content))]
+    import torch_gpt
+
+    train_ids, _, chars = torch_gpt.load_data(torch_gpt.DEFAULT_TEXT)
     rng = np.random.default_rng(seed)
     batches = []
     for _ in range(steps):
-        offsets = rng.integers(0, len(ids) - 64, size=12)
-        batches.append((np.stack([ids[o:o + 64] for o in offsets]),
-                        np.stack([ids[o + 1:o + 65] for o in offsets])))
-    return batches, len(index)
+        x, y = torch_gpt.windows(train_ids, torch_gpt.batch_offsets(rng, len(train_ids)))
+        batches.append((x.numpy().astype("int32"), y.numpy().astype("int32")))
+    return batches, len(chars)
 
 
 def keras_step(vocab_size, jit_compile="auto"):
@@ -167,7 +163,7 @@ def main():
     kinds = collections.Counter()  # the kind of op or fusion: "thread: fusion.12" -> "fusion",
     for name, total in totals.items():  # TensorFlow's "scope/name:MatMul" -> "MatMul"
         event = name.split(": ", 1)[-1]
-        op_type = re.search(r":([A-Z]\w*)$", event)
+        op_type = re.search(r"(?<!:):([A-Z]\w*)$", event)  # (not C++'s "A::B")
         kinds[op_type.group(1) if op_type else re.sub(r"[._]\d+$", "", event)] += total
     for title, table in (("by kind (every thread)", kinds), ("by event", totals)):
         print(title)
