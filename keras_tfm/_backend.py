@@ -375,10 +375,11 @@ def repeated_layer_caller(layers):
         [v.value for v in layers[i].variables], *args, **kwargs)
 
 
-def dot_product_attention(query, key, value, mask, scale, heads_first=False):
+def dot_product_attention(query, key, value, mask, scale, heads_first=False, causal=False):
     """`keras.ops.dot_product_attention` of queries `(B, T, H, d)` and keys and values
     `(B, S, H, d)` (`(B, H, S, d)` with `heads_first`, under PyTorch only: see
-    `fuses_heads_first`), with a boolean mask broadcasting to `(B, H, T, S)`.
+    `fuses_heads_first`), with a boolean mask broadcasting to `(B, H, T, S)` or, with `causal`
+    (and `T == S`), the kernel's own causal masking.
 
     PyTorch takes another route to the same numbers: torch's `scaled_dot_product_attention`
     on `(B, H, ·, d)` views. Keras's torch version copies the keys and values into new
@@ -391,11 +392,11 @@ def dot_product_attention(query, key, value, mask, scale, heads_first=False):
         mask = None if mask is None else ops.convert_to_tensor(mask, "bool")
         if not heads_first:
             key, value = key.transpose(1, 2), value.transpose(1, 2)
-        return _torch_attention(query, key, value, mask, scale)
-    return ops.dot_product_attention(query, key, value, mask=mask, scale=scale)
+        return _torch_attention(query, key, value, mask, scale, causal=causal)
+    return ops.dot_product_attention(query, key, value, mask=mask, scale=scale, is_causal=causal)
 
 
-def _torch_attention(query, key, value, mask, scale, groups=1):
+def _torch_attention(query, key, value, mask, scale, groups=1, causal=False):
     """torch's `scaled_dot_product_attention` of torch queries `(B, T, H, d)` over keys and
     values `(B, H / groups, S, d)` (`groups` query heads per key/value head, as `ops.repeat`
     along the heads would give them); the output `(B, T, H, d)`."""
@@ -403,7 +404,8 @@ def _torch_attention(query, key, value, mask, scale, groups=1):
 
     grouped = {"enable_gqa": True} if groups > 1 else {}  # (an argument since torch 2.5)
     output = torch.nn.functional.scaled_dot_product_attention(
-        query.transpose(1, 2), key, value, attn_mask=mask, scale=scale, **grouped)
+        query.transpose(1, 2), key, value, attn_mask=mask, scale=scale, is_causal=causal,
+        **grouped)
     return output.transpose(1, 2)
 
 

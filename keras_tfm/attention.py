@@ -32,6 +32,7 @@ def scaled_dot_product_attention(
     return_weights=False,
     fused=None,
     heads_first=False,
+    causal=False,
 ):
     """`softmax(Q Kᵀ / √d_k) V` for every head, with masking and attention dropout.
 
@@ -53,12 +54,19 @@ def scaled_dot_product_attention(
         fused: None picks the fused path when possible; False forces the explicit path.
         heads_first: the keys and values come heads first, `(B, H, S, d)`: the layout of the
             key/value caches, which a decoding step's products read without transposing them.
+        causal: also apply `masks.causal_mask(T, S)`. With no other `mask` and `T == S`
+            (uncached self-attention) no mask tensor is built: the fused kernel masks causally
+            itself, and no row can be left without a key.
 
     Returns:
         The attention output `(B, T, H, d_v)`, and the weights when `return_weights`.
     """
-    if mask is not None:  # (its checks read the key length from axis 1 of `(B, S, ...)`)
-        mask = masks_lib.check_attention_mask(mask, query, key[:, 0] if heads_first else key)
+    keys_like = key[:, 0] if heads_first else key  # `(B, S, ...)`: the key length on axis 1
+    if mask is not None:
+        mask = masks_lib.check_attention_mask(mask, query, keys_like)
+    causal_only = causal and mask is None and masks_lib.same_length(query, keys_like)
+    if causal and not causal_only:
+        mask = masks_lib.merge_masks(query, keys_like, attention_mask=mask, causal=True)
     scale = 1.0 / math.sqrt(query.shape[-1])
     row_has_key = None
     if mask is not None:
@@ -70,7 +78,8 @@ def scaled_dot_product_attention(
                  and (not heads_first or fuses_heads_first()))
     weights = None
     if use_fused:
-        output = dot_product_attention(query, key, value, mask, scale, heads_first)
+        output = dot_product_attention(query, key, value, mask, scale, heads_first,
+                                       causal=causal_only)
         if row_has_key is not None:  # (the explicit path zeroes these rows' weights instead)
             output = zero_empty_rows(output, row_has_key)
     else:
@@ -86,6 +95,8 @@ def scaled_dot_product_attention(
         else:
             scores = ops.einsum(f"bthd,{keys}->bhts", query, key)
         scores = ops.cast(scores, "float32") * scale
+        if causal_only:
+            mask = masks_lib.causal_mask(ops.shape(query)[1], ops.shape(keys_like)[1])[None, None]
         if mask is not None:
             scores = masks_lib.apply_to_scores(scores, mask)
         weights = ops.softmax(scores, axis=-1)
@@ -299,9 +310,9 @@ class _MultiHeadAttentionBase(keras.layers.Layer):
             )
 
     def _attend(self, query, keys, values, mask, training, return_attention_scores,
-                heads_first=False, queries=None):
-        """Attend from `query` (or its projected `queries`) over `keys` and `values`, then
-        project the heads' outputs."""
+                heads_first=False, queries=None, causal=False):
+        """Attend from `query` (or its projected `queries`) over `keys` and `values` (`mask`,
+        and the causal mask with `causal`), then project the heads' outputs."""
         groups = self.num_heads // self._kv_heads
         if groups > 1:  # grouped-query attention: each key/value head serves `groups` heads
             axis = 1 if heads_first else 2
@@ -310,7 +321,7 @@ class _MultiHeadAttentionBase(keras.layers.Layer):
             queries = self._rotate(call_layer(self.query_dense, query), 0)
         result = scaled_dot_product_attention(
             queries, keys, values, mask=mask, dropout=self.dropout_layer, training=training,
-            return_weights=return_attention_scores, heads_first=heads_first,
+            return_weights=return_attention_scores, heads_first=heads_first, causal=causal,
         )
         if return_attention_scores:
             attended, scores = result
@@ -439,9 +450,10 @@ class MultiHeadSelfAttention(_MultiHeadAttentionBase):
         if mask is None:
             mask = masks_lib.keras_mask(inputs)
         merged = masks_lib.merge_masks(inputs, inputs, key_padding_mask=mask,
-                                       attention_mask=attention_mask, causal=self.causal)
+                                       attention_mask=attention_mask)
         keys, values = self._project_context(inputs)
-        return self._attend(inputs, keys, values, merged, training, return_attention_scores)
+        return self._attend(inputs, keys, values, merged, training, return_attention_scores,
+                            causal=self.causal)
 
     def _empty_cache(self, batch_size, length, dtype):
         """A zero cache in the form generation holds it (see `call` and `splits_caches`): a

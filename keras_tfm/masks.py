@@ -120,6 +120,13 @@ def _static_shape(x):
     return tuple(None if d is None else int(d) for d in x.shape)
 
 
+def same_length(query, key):
+    """Whether `query (B, T, ...)` and `key (B, S, ...)` are known to have `T == S` (a causal
+    mask is then lower-triangular, top-left and bottom-right alike); False when unknown."""
+    query_length, key_length = _static_shape(query)[1], _static_shape(key)[1]
+    return query_length is not None and query_length == key_length
+
+
 def _check_broadcast(name, shape, expected, axes="(batch, query length, key length)",
                      hint=""):
     """Check that `shape` broadcasts to `expected` (None = unknown, skipped); a rank-2 `shape`

@@ -33,6 +33,20 @@ def test_sdpa_matches_numpy_reference(fused):
     np.testing.assert_allclose(to_np(w), weights, atol=1e-6)
 
 
+@pytest.mark.parametrize("fused", [None, False])
+def test_causal_argument_equals_the_causal_mask(fused):
+    # `causal=True` alone (the kernel's own causal masking on the fused path) and with a
+    # padding mask (merged with the causal mask) against the masks built by hand.
+    q, k, v = random((2, 5, 2, 8), 7), random((2, 5, 2, 8), 8), random((2, 5, 2, 8), 9)
+    causal = np.tril(np.ones((5, 5), bool))[None]
+    pad = padding([5, 0], 5)[:, None, :]  # second sequence fully padded: zeros
+    for mask, expected_mask in ((None, causal), (pad, causal & pad)):
+        out = to_np(scaled_dot_product_attention(q, k, v, mask=mask, causal=True, fused=fused))
+        expected, _ = np_attention(q, k, v, expected_mask)
+        np.testing.assert_allclose(out, expected, atol=1e-5)
+    np.testing.assert_array_equal(out[1], 0.0)
+
+
 def test_fused_and_explicit_paths_agree_with_masks():
     q, k, v = random((3, 5, 2, 8), 4), random((3, 5, 2, 8), 5), random((3, 5, 2, 8), 6)
     causal = np.tril(np.ones((5, 5), bool))
