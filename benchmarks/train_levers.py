@@ -1,6 +1,6 @@
 """Training-speed levers of issue #47, each on and off in one process, steps in turns.
 
-    python benchmarks/train_levers.py --engine jax|tensorflow|torch [--rounds 12]
+    python benchmarks/train_levers.py --engine jax|tensorflow|torch [--rounds 12] [--plain-pytorch]
 
 text_lm.py's model of nanoGPT's run (`train_peers.py`'s gpt shape) is built once per variant,
 from the same seed, and trained on the same nanoGPT windows: 10 warm-up steps each, then
@@ -19,8 +19,11 @@ Variants (the library's default first; each other one is the lever off, or anoth
 - `explicit attention`: the attention's two products and softmax instead of the fused kernel;
 - `keras loss`: `keras.losses.SparseCategoricalCrossentropy(from_logits=True)` instead of
   keras_tfm's masked loss (no ignored class, no out-of-vocabulary guard);
-- `sublayers direct` (torch): the blocks call their sublayers' `call` and skip Keras's
-  `Layer.__call__` (an experiment: generation's direct calls, in training).
+- `sublayers called` (torch): the blocks call their sublayers through Keras's `Layer.__call__`
+  (its bookkeeping at every call), as before they called plain sublayers' `call` directly;
+- `plain PyTorch` (`--plain-pytorch`): torch_gpt.py's step (nanoGPT's model, `torch.optim.AdamW`,
+  clipping) on the same batches, in the same turns: the issue's ratio without the drift between
+  processes.
 """
 
 import argparse
@@ -51,14 +54,9 @@ def variants(backend):
     """{name: (a context manager factory, loss or None)} of the variants on `backend`."""
     import keras
 
-    from keras_tfm import attention, blocks, feedforward, masks
+    from keras_tfm import _backend, attention, masks
 
     sdpa = attention.scaled_dot_product_attention
-
-    def direct(layer, *args, **kwargs):
-        if "training" in kwargs and not layer._call_has_training_arg:
-            kwargs.pop("training")
-        return layer.call(*args, **kwargs)
 
     table = {
         "default": (contextlib.nullcontext, None),
@@ -70,9 +68,8 @@ def variants(backend):
                        keras.losses.SparseCategoricalCrossentropy(from_logits=True)),
     }
     if backend == "torch":
-        table["sublayers direct"] = (lambda: patched(*((module, "call_layer", direct) for module
-                                                       in (blocks, attention, feedforward))),
-                                     None)
+        table["sublayers called"] = (
+            lambda: patched((_backend, "_calls_plain_layers_directly", lambda: False)), None)
     return table
 
 
@@ -80,6 +77,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--engine", choices=("jax", "tensorflow", "torch"), required=True)
     parser.add_argument("--rounds", type=int, default=12)
+    parser.add_argument("--plain-pytorch", action="store_true",
+                        help="also time torch_gpt.py's step in the turns (the ratio of the issue)")
     args = parser.parse_args()
     os.environ["KERAS_BACKEND"] = args.engine
     import numpy as np
@@ -96,17 +95,22 @@ def main():
             if loss is not None:
                 model.compile(optimizer=model.optimizer, loss=loss, jit_compile=model.jit_compile)
             losses[name] = [float(model.train_on_batch(x, y)) for x, y in batches[:10]]
-        models[name] = (model, setting)
+        models[name] = (model.train_on_batch, setting)
+    if args.plain_pytorch:  # torch_gpt's step among the variants (its losses are its own)
+        models["plain PyTorch"] = (train_profile.torch_gpt_step(vocab_size),
+                                   contextlib.nullcontext)
+        for x, y in batches[:10]:
+            models["plain PyTorch"][0](x, y)
     seconds = {name: [] for name in models}  # per round: the median of its 10 steps
     for round_ in range(args.rounds):
         names = list(models) if round_ % 2 == 0 else list(models)[::-1]
         for name in names:
-            model, setting = models[name]
+            step, setting = models[name]
             with setting():
                 times = []
                 for x, y in batches[10:]:
                     start = time.perf_counter()
-                    model.train_on_batch(x, y)
+                    step(x, y)
                     times.append(time.perf_counter() - start)
             seconds[name].append(statistics.median(times))
     print(f"{args.engine}: ms a step (median of the rounds' medians) and the ratio to the "
@@ -114,9 +118,10 @@ def main():
     for name, times in seconds.items():
         ratios = np.divide(times, seconds["default"])
         low, mid, high = np.percentile(ratios, [25, 50, 75])
-        gap = np.max(np.abs(np.subtract(losses[name], losses["default"])))
+        gap = (f"  loss gap {np.max(np.abs(np.subtract(losses[name], losses['default']))):.1e}"
+               if name in losses else "")
         print(f"{name:20s} {1000 * statistics.median(times):7.1f} ms  {mid:5.3f}x "
-              f"({low:.3f}-{high:.3f})  loss gap {gap:.1e}")
+              f"({low:.3f}-{high:.3f}){gap}")
 
 if __name__ == "__main__":
     main()

@@ -242,9 +242,11 @@ def build_keras_tfm_reloaded(cfg):
     return keras_tfm.saving.load_model(path)
 
 
-# Not in the default runs: `--models keras_tfm keras_tfm_unchecked keras_tfm_reloaded`.
+# Not in the default runs: `--models keras_tfm keras_tfm_unchecked keras_tfm_reloaded
+# keras_tfm_xla` (the last: compiled with `jit_compile=True`, XLA, which "auto" leaves off for
+# TensorFlow on a CPU).
 EXTRA_MODELS = {"keras_tfm_unchecked": build_keras_tfm, "keras_tfm_reloaded":
-                build_keras_tfm_reloaded}
+                build_keras_tfm_reloaded, "keras_tfm_xla": build_keras_tfm}
 
 
 def unautotuned_dataset(x, y, batch_size):
@@ -480,7 +482,8 @@ def run(backend, config, models=None, dropout=DROPOUT, repeats=None):
             runners[name], params[name] = unchecked_runner(cfg, batches)
         else:
             runners[name], params[name] = keras_runner(
-                (KERAS_MODELS | EXTRA_MODELS)[name], cfg, batches)
+                (KERAS_MODELS | EXTRA_MODELS)[name], cfg, batches,
+                jit_compile=True if name == "keras_tfm_xla" else "auto")
     summary, calls = time_interleaved(runners, cfg)
     for name, seconds in summary.items():
         results["models"][name] = {"step_s": seconds, "tokens_per_s": tokens / seconds,

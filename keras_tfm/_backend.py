@@ -165,7 +165,8 @@ def direct_calls(xla=False, transposed=None):
 
 
 def call_layer(layer, *args, **kwargs):
-    """`layer(*args, **kwargs)`; inside `direct_calls()`, the layer's `call` itself.
+    """`layer(*args, **kwargs)`; the layer's `call` itself inside `direct_calls()`, and for a
+    plain layer under eager PyTorch (`_calls_plain_layers_directly`).
 
     Eager PyTorch runs Keras's `Layer.__call__` (input conversion, mask filling, name and
     autocast scopes, `training` inference) at every call: ~50 µs each, against ~36 µs for an
@@ -182,11 +183,28 @@ def call_layer(layer, *args, **kwargs):
     """
     plans = getattr(_DIRECT, "plans", None)
     if plans is None:
+        if _calls_plain_layers_directly() and _plain(layer):
+            return layer.call(*args, **kwargs)
         return layer(*args, **kwargs)
     run = plans.get(layer)
     if run is None:
         run = plans[layer] = _plan(layer)
     return run(*args, **kwargs)
+
+
+def _calls_plain_layers_directly():
+    """Whether the layers call their plain sublayers' `call` outside `direct_calls()`: under
+    PyTorch, which runs Keras's `Layer.__call__` bookkeeping at every call of every sublayer
+    in every step (JAX and TensorFlow only when they trace). The layers pass masks and
+    `training` to their sublayers explicitly. Figures: benchmarks/README.md (`train_levers.py`)."""
+    return keras.backend.backend() == "torch"
+
+
+def _plain(layer):
+    """Whether `layer` is built, not quantized and computes in its variables' dtype: what its
+    `__call__` adds to `call` is then bookkeeping alone (no casts)."""
+    return (layer.built and layer.quantization_mode is None
+            and layer.compute_dtype == layer.variable_dtype)
 
 
 def _plan(layer):

@@ -92,8 +92,6 @@ class MaskedSparseCategoricalCrossentropy(keras.losses.Loss):
 
     def __call__(self, y_true, y_pred, sample_weight=None):
         losses = self.call(y_true, y_pred)
-        if self.ignore_class is None and sample_weight is None:  # every token counts
-            return _scale_for_replicas(ops.mean(losses))
         weights = masks_lib.target_weights(y_true, self.ignore_class, sample_weight)
         loss = ops.divide_no_nan(ops.sum(losses * weights), ops.sum(weights))
         return _scale_for_replicas(loss)
