@@ -123,5 +123,6 @@ def main():
         print(f"{name:20s} {1000 * statistics.median(times):7.1f} ms  {mid:5.3f}x "
               f"({low:.3f}-{high:.3f}){gap}")
 
+
 if __name__ == "__main__":
     main()
