@@ -9,8 +9,8 @@ batch 1: every product is a few hundred multiply-adds, so a step's time is the p
 the engine (Python, dispatch, the trainer's and optimizer's bookkeeping). Three rows per Keras
 backend, each `train_on_batch` on the same batch:
 
-- `keras_tfm`: `build_language_model` as text_lm.py builds it (70 variables; 62 Keras layer
-  calls a forward pass: 15 a block, 2 in the functional graph around them);
+- `keras_tfm`: `build_language_model` as text_lm.py builds it (70 variables; about 60 Keras
+  layer calls a forward pass, 15 a block, under `Layer.__call__` before direct calls);
 - `keras, 1 Dense`: one `Dense` layer on an embedding with the same optimizer: Keras's trainer
   and optimizer floor for a model of 3 variables;
 - `keras, 35 Dense`: `Embedding` then 35 `Dense` layers (71 variables, as many as keras_tfm's
