@@ -211,8 +211,8 @@ def matmul_floor(shape, cells, repeats=3):
     cross-attention keys'/values' projections of batch × 24 source tokens, then 32 decoder steps
     (batch × beam rows: 6 d×d projections and the feed-forward pair per layer, the logits), with
     distinct weights of the model's sizes (they stream from memory as the model's do), compiled
-    as generate is (jax.jit, tf.function; torch eager, by generate's own product: oneDNN
-    against packed kernels where it applies). No attention, softmax or search."""
+    as generate is (jax.jit, tf.function; torch eager, autograd off). No attention, softmax or
+    search."""
     import keras
     from keras import ops
 
@@ -243,17 +243,10 @@ def matmul_floor(shape, cells, repeats=3):
     else:
         import torch
 
-        from keras_tfm import _backend
-
-        class Owner:  # what generate's packed kernels are cached by (one per weight)
-            pass
-
-        owners = {id(w): Owner() for w in source_w + step_w}
-
         @torch.no_grad()
-        def chain(x, ws):  # the products as generate runs them (oneDNN, packed kernels)
+        def chain(x, ws):  # the products as generate runs them (torch.matmul)
             for w in ws:
-                x = _backend._torch_product(owners[id(w)], x, w)
+                x = x @ w
             return x
 
     def seconds(rows, ws, calls):

@@ -69,7 +69,7 @@ def variants(backend):
     }
     if backend == "torch":
         table["sublayers called"] = (
-            lambda: patched((_backend, "_calls_plain_layers_directly", lambda: False)), None)
+            lambda: patched((_backend, "_plain", lambda layer: False)), None)
     return table
 
 

@@ -180,3 +180,105 @@ def with_quantized_dtypes(layer, config):
                                                          policy_map=quantized)
         config["dtype"] = keras.dtype_policies.serialize(policy_map)
     return config
+
+
+# --- the arguments of generation ------------------------------------------------------------
+
+
+def resolve_special_ids(model, vocab, start_id, end_id, pad_id, needs_start=True):
+    """The start, end and padding ids of one `generate` call: explicit arguments win; "auto"
+    takes the model's own (`model.special_ids`; padding defaults to 0). A language model
+    (`needs_start=False`) continues its prompts and takes no start id."""
+    own = getattr(model, "special_ids", {})
+    if pad_id == "auto":
+        pad_id = own.get("pad_id", 0)
+    asked = (("start_id", start_id, "start_id=..."),) if needs_start else ()
+    for name, value, hint in asked + (("end_id", end_id, "end_id=..., or end_id=None to "
+                                                         "decode max_length tokens"),):
+        if value == "auto" and name not in own:
+            raise ValueError(f"`{name}` was not given and model {model.name!r} has no {name} of "
+                             f"its own (model.special_ids={own}); pass {hint}.")
+    if not needs_start:
+        if start_id not in ("auto", None):
+            raise ValueError(f"A language model continues its prompts and takes no `start_id` "
+                             f"(put a start token in the prompts); received start_id={start_id!r}.")
+        start_id = own.get("start_id", pad_id)  # unused; checked as a valid id below
+    start_id = own["start_id"] if start_id == "auto" else start_id
+    end_id = own["end_id"] if end_id == "auto" else end_id
+    check_special_ids(vocab, pad_id, start_id, end_id)
+    if needs_start and start_id == pad_id and own.get("start_id") != pad_id:
+        raise ValueError(f"`start_id` must not be the padding id {pad_id}, which model "
+                         f"{model.name!r} masks; received start_id={start_id!r}. (A model built "
+                         "with start_id == pad_id, as from_marian does, attends to it.)")
+    return (None if start_id is None else int(start_id), None if end_id is None else int(end_id),
+            None if pad_id is None else int(pad_id))
+
+
+def check_sources(source_tokens, vocab, pad_id):
+    """The sources as int32 `(B, S)`, checked: Python lists of different lengths are
+    right-padded with `pad_id`; ids must lie in the source vocabulary; a source with padding
+    before a real token (left padding) is refused."""
+    if isinstance(source_tokens, (list, tuple)) and all(
+            isinstance(row, (list, tuple, np.ndarray)) for row in source_tokens):
+        rows = [np.asarray(row).reshape(-1) for row in source_tokens]
+        width = max((len(row) for row in rows), default=0)
+        if any(len(row) != width for row in rows):
+            source_tokens = np.full((len(rows), width), pad_id, np.result_type(*rows))
+            for i, row in enumerate(rows):
+                source_tokens[i, :len(row)] = row
+    source_tokens = check_token_ids(source_tokens, vocab, name="source_tokens")
+    if source_tokens.shape[0] == 0:
+        raise ValueError("`source_tokens` must hold at least one source; received shape "
+                         f"{source_tokens.shape}.")
+    is_pad = source_tokens == pad_id
+    padding_first = is_pad[:, :-1] & ~is_pad[:, 1:]
+    if padding_first.any():
+        row = int(np.flatnonzero(padding_first.any(axis=1))[0])
+        raise ValueError(
+            f"`source_tokens` row {row} has padding (id {pad_id}) before a real token: "
+            f"{source_tokens[row].tolist()}. keras_tfm sources are right-padded (the padding at "
+            "the end); with keras.utils.pad_sequences pass padding='post'.")
+    return source_tokens
+
+
+def unpadded_prompts(prompts, vocab, fill):
+    """Prompts of a model without padding as int32 `(B, P)` (shorter rows filled with `fill`,
+    which the search never attends to) and their lengths `(B,)`: rows of a list keep their own
+    lengths, every row of an array is all tokens."""
+    if isinstance(prompts, (list, tuple)) and all(
+            isinstance(row, (list, tuple, np.ndarray)) for row in prompts):
+        rows = [np.asarray(row).reshape(-1) for row in prompts]
+    else:
+        rows = list(np.asarray(prompts).reshape(-1, np.shape(prompts)[-1]))
+    lengths = np.array([len(row) for row in rows], "int32")
+    array = np.full((len(rows), max(lengths, default=0)), fill, "int64")
+    for i, row in enumerate(rows):
+        array[i, :len(row)] = row
+    return check_token_ids(array, vocab, name="prompts"), lengths
+
+
+def check_lengths(max_length, batch_size):
+    if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1:
+        raise ValueError(f"`max_length` must be a positive integer; received {max_length!r}.")
+    if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(
+            batch_size, int) or batch_size < 1):
+        raise ValueError(f"`batch_size` must be a positive integer or None; received "
+                         f"{batch_size!r}.")
+
+
+def check_search_options(method, beam_size, length_penalty, temperature, top_k, top_p):
+    """Raise a ValueError naming a bad `generate` search option."""
+    if method not in ("greedy", "beam", "sample"):
+        raise ValueError(f'`method` must be "greedy", "beam" or "sample"; received {method!r}.')
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not (
+            temperature > 0):
+        raise ValueError(f"`temperature` must be > 0; received temperature={temperature!r}.")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int)
+                              or top_k < 1):
+        raise ValueError(f"`top_k` must be a positive integer or None; received top_k={top_k!r}.")
+    if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
+        raise ValueError(f"`top_p` must be in (0, 1]; received top_p={top_p!r}.")
+    if not length_penalty >= 0:
+        raise ValueError(f"`length_penalty` must be >= 0; received {length_penalty!r}.")
+    if isinstance(beam_size, bool) or not isinstance(beam_size, int) or beam_size < 1:
+        raise ValueError(f"`beam_size` must be a positive integer; received {beam_size!r}.")

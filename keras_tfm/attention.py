@@ -10,13 +10,14 @@ import keras
 from keras import ops
 
 from keras_tfm import masks as masks_lib
-from keras_tfm._backend import (attends_filled_only, call_layer, dot_product_attention,
-                                filled_part, fuses_heads_first, fuses_projections,
-                                keys_lead_one_query, splits_caches, update_cache)
+from keras_tfm._backend import (call_layer, dot_product_attention, filled_part,
+                                reads_cache_views, update_cache)
 from keras_tfm._checks import clone_initializer
 from keras_tfm._checks import check_dropout, check_key_value_heads, check_positive_int
 from keras_tfm._checks import check_rank, check_same_batch, with_quantized_dtypes
 from keras_tfm.dropout import Dropout
+from keras_tfm.kv_cache import (cache_keys_values, cache_spec, fold_query_rows, heads_first,
+                                unfold_query_rows)
 from keras_tfm.positional import RotaryEmbedding
 
 _SERIALIZABLE = keras.saving.register_keras_serializable(package="keras_tfm")
@@ -75,7 +76,7 @@ def scaled_dot_product_attention(
     # keras.ops.dot_product_attention needs values as wide as the keys (d_v == d_k).
     use_fused = (fused is not False and not return_weights and not dropout_active
                  and value.shape[-1] == query.shape[-1]
-                 and (not heads_first or fuses_heads_first()))
+                 and (not heads_first or reads_cache_views()))
     weights = None
     if use_fused:
         output = dot_product_attention(query, key, value, mask, scale, heads_first,
@@ -89,11 +90,7 @@ def scaled_dot_product_attention(
             # accumulates them (bfloat16 scores doubled the error of a step against float32).
             # A half-precision cache's keys are read as float32 (a copy a step).
             query, key = ops.cast(query, "float32"), ops.cast(key, "float32")
-        if heads_first and query.shape[1] == 1 and keys_lead_one_query():
-            # (B, H, S, 1) -> (B, H, 1, S): a size-1 axis moved, no copy
-            scores = ops.swapaxes(ops.einsum("bhsd,bthd->bhst", key, query), 2, 3)
-        else:
-            scores = ops.einsum(f"bthd,{keys}->bhts", query, key)
+        scores = ops.einsum(f"bthd,{keys}->bhts", query, key)
         scores = ops.cast(scores, "float32") * scale
         if causal_only:
             mask = masks_lib.causal_mask(ops.shape(query)[1], ops.shape(keys_like)[1])[None, None]
@@ -128,64 +125,6 @@ def zero_empty_rows(output, row_has_key):
 
 def _half(dtype):
     return keras.backend.standardize_dtype(dtype) in ("float16", "bfloat16")
-
-
-def cache_keys_values(cache):
-    """The keys and values `(B, H, L, d)` of a key/value cache: a stacked `(B, 2, H, L, d)`
-    array (a self-attention's cache, `CrossAttention.compute_context_cache`'s), or its
-    `(keys, values)` pair. Generation passes pairs (the self-attention caches it creates, but
-    at one row under XLA: `splits_caches`; the cross-attention's, split once per source
-    batch): under XLA a slice of the stacked array is a copy, which a decoding loop would make
-    in every layer at every step. For the cross-attention caches that was a tenth of JAX's
-    step at 64 rows and 24-token sources; for the self-attention caches (opus-mt-base, 32 new
-    tokens, medians of 5 calls, two runs each way in turns, same tokens) JAX's 16 rows took
-    1.04-1.12 → 0.99-1.01 s, beam 4 2.12-2.21 → 1.95-2.08 s, 64 rows 2.37-2.39 → 2.11-2.12 s;
-    TensorFlow's XLA at 64 rows 2.28-2.35 → 2.09-2.14 s and its graph at batch 1 0.39-0.40 →
-    0.36 s; PyTorch (in-place views either way) level."""
-    if isinstance(cache, (tuple, list)):
-        keys, values = cache
-        return keys, values
-    return cache[:, 0], cache[:, 1]
-
-
-def cache_spec(cache):
-    """`KerasTensor`s of a cache's shapes and dtype, in its form (array or pair)."""
-    if isinstance(cache, (tuple, list)):
-        return tuple(keras.KerasTensor(part.shape, dtype=part.dtype) for part in cache)
-    return keras.KerasTensor(cache.shape, dtype=cache.dtype)
-
-
-def fold_query_rows(query, keys, attention_mask=None):
-    """`query (R, T, D)` (and an `attention_mask` `(R, T, S)` or `(T, S)`) folded for a
-    context cache of fewer rows, `keys (B, H, S, d)` with `R = m·B`: `(B, m·T, D)` (and
-    `(B, m·T, S)`), query rows `b·m … b·m + m - 1` as the query positions of cache row `b`.
-
-    Each query position attends to the keys on its own, so the fold changes no number; it lets
-    beam search keep one cross-attention cache row per source for its `m` beams (instead of
-    repeating each `m` times: `m` times the memory, read at every step). With `R = B` it
-    changes nothing (shapes known at run time only are folded the same way)."""
-    rows, sources = query.shape[0], keys.shape[0]
-    if rows is not None and sources is not None and (rows % sources if sources else rows):
-        raise ValueError(f"A context cache of {sources} rows serves a query of a multiple of "
-                         f"{sources} rows; received {rows} query rows.")
-    sources = ops.shape(keys)[0]
-    if attention_mask is not None:  # (its shape checked as the query's, before the fold)
-        attention_mask = masks_lib.check_attention_mask(attention_mask, query, keys[:, 0])
-        attention_mask = ops.reshape(
-            ops.broadcast_to(attention_mask, ops.shape(query)[:2] + ops.shape(keys)[2:3]),
-            (sources, -1, ops.shape(keys)[2]))
-    return ops.reshape(query, (sources, -1, query.shape[2])), attention_mask
-
-
-def unfold_query_rows(output, query):
-    """The output `(B, m·T, D')` of a folded query (`fold_query_rows`) as `(R, T, D')`."""
-    return ops.reshape(output, ops.shape(query)[:2] + (output.shape[-1],))
-
-
-def _heads_first(x):
-    """Keys or values `(B, S, H, d)` as a cache holds them, `(B, H, S, d)`; stacked ones
-    `(B, 2, S, H, d)` as `(B, 2, H, S, d)`."""
-    return ops.swapaxes(x, -3, -2)
 
 
 class _MultiHeadAttentionBase(keras.layers.Layer):
@@ -285,29 +224,11 @@ class _MultiHeadAttentionBase(keras.layers.Layer):
         return (self._rotate(call_layer(self.key_dense, context), start_index),
                 call_layer(self.value_dense, context))
 
-    def _project_step(self, inputs, start_index):
-        """Queries, keys and values `(B, T, heads, d)` of a cached self-attention step: one
-        product against the three kernels concatenated where `fuses_projections` says so,
-        else one per projection."""
-        dense = (self.query_dense, self.key_dense, self.value_dense)
-        if not fuses_projections(*dense):
-            return (self._rotate(call_layer(self.query_dense, inputs), start_index),
-                    *self._project_context(inputs, start_index))
-        projected = ops.einsum("btd,dhk->bthk", inputs,
-                               ops.concatenate([layer.kernel for layer in dense], axis=1))
-        if self.use_bias:
-            projected = projected + ops.concatenate([layer.bias for layer in dense], axis=0)
-        heads, kv_heads = self.num_heads, self._kv_heads
-        queries, keys, values = ops.split(projected, [heads, heads + kv_heads], axis=2)
-        return self._rotate(queries, start_index), self._rotate(keys, start_index), values
-
     def _check_cacheable(self):
         if self._value_dim != self._key_dim:
-            raise ValueError(
-                f"{self.name}: a key/value cache stacks keys and values, so it needs "
-                f"value_dim == key_dim; received key_dim={self._key_dim}, "
-                f"value_dim={self._value_dim}."
-            )
+            raise ValueError(f"{self.name}: a key/value cache stacks keys and values, so it "
+                             f"needs value_dim == key_dim; received key_dim={self._key_dim}, "
+                             f"value_dim={self._value_dim}.")
 
     def _attend(self, query, keys, values, mask, training, return_attention_scores,
                 heads_first=False, queries=None, causal=False):
@@ -327,6 +248,22 @@ class _MultiHeadAttentionBase(keras.layers.Layer):
             attended, scores = result
             return call_layer(self.output_dense, attended), scores
         return call_layer(self.output_dense, result)
+
+    def _attend_step(self, queries, keys, values, mask):
+        """A cached step's attention (no weights, no dropout) of `queries (B, T, H, d)` over
+        keys and values `(B, H_kv, S, d)`, `mask` None or bool `(B|1, T|1, S)` leaving every
+        row a key (no empty-row guard); the output projected."""
+        groups = self.num_heads // self._kv_heads
+        if groups > 1:  # grouped-query attention: each key/value head serves `groups` heads
+            keys, values = ops.repeat(keys, groups, 1), ops.repeat(values, groups, 1)
+        if reads_cache_views():
+            output = dot_product_attention(queries, keys, values,
+                                           None if mask is None else mask[:, None],
+                                           1.0 / math.sqrt(self._key_dim), heads_first=True)
+        else:
+            output = scaled_dot_product_attention(queries, keys, values, mask=mask,
+                                                  heads_first=True)
+        return call_layer(self.output_dense, output)
 
     def _output_spec(self, query, context_length, return_attention_scores):
         out = keras.KerasTensor(query.shape[:-1] + (self._d_model,), dtype=self.compute_dtype)
@@ -445,8 +382,8 @@ class MultiHeadSelfAttention(_MultiHeadAttentionBase):
              cache=None, cache_update_index=None, mask=None):
         check_rank(self, "inputs", inputs.shape, 3)
         if cache is not None:
-            return self._call_cached(inputs, attention_mask, training, return_attention_scores,
-                                     cache, cache_update_index)
+            return self.call_with_cache(inputs, cache, cache_update_index, attention_mask,
+                                        training, return_attention_scores)
         if mask is None:
             mask = masks_lib.keras_mask(inputs)
         merged = masks_lib.merge_masks(inputs, inputs, key_padding_mask=mask,
@@ -455,18 +392,36 @@ class MultiHeadSelfAttention(_MultiHeadAttentionBase):
         return self._attend(inputs, keys, values, merged, training, return_attention_scores,
                             causal=self.causal)
 
-    def _empty_cache(self, batch_size, length, dtype):
-        """A zero cache in the form generation holds it (see `call` and `splits_caches`): a
-        `(keys, values)` pair of `(batch_size, num_key_value_heads, length, key_dim)` tensors,
-        or one stacked `(batch_size, 2, …)` tensor."""
+    def empty_cache(self, batch_size, length, dtype=None):
+        """A zero key/value cache for `call_with_cache`: a `(keys, values)` pair of
+        `(batch_size, num_key_value_heads, length, key_dim)` tensors (`dtype`: the layer's
+        compute dtype by default)."""
+        self._check_cacheable()
         shape = (batch_size, self._kv_heads, length, self._key_dim)
-        if splits_caches(batch_size):
-            return ops.zeros(shape, dtype=dtype), ops.zeros(shape, dtype=dtype)
-        return ops.zeros((batch_size, 2, *shape[1:]), dtype=dtype)
+        dtype = dtype or self.compute_dtype
+        return ops.zeros(shape, dtype=dtype), ops.zeros(shape, dtype=dtype)
 
-    def _call_cached(self, inputs, attention_mask, training, return_attention_scores, cache,
-                     cache_update_index):
-        """Write the keys/values of `inputs` at `cache_update_index`, attend over the cache."""
+    def call_with_cache(self, inputs, cache, cache_update_index, attention_mask=None,
+                        training=None, return_attention_scores=False):
+        """One cached decoding step: write the keys and values of `inputs` into `cache` at
+        `cache_update_index`, and attend from `inputs` over the cache's filled positions.
+
+        Args:
+            inputs: `(B, T, d_model)`, at positions `cache_update_index … + T - 1`.
+            cache: `empty_cache(B, L)` (or a stacked `(B, 2, num_key_value_heads, L, key_dim)`
+                tensor), filled before `cache_update_index` (an int or scalar int tensor).
+            attention_mask: optional bool `(B, T, L)` or `(T, L)`, ANDed with the causal mask
+                (query i sees keys `0 … cache_update_index + i`).
+            training, return_attention_scores: as in `call`.
+
+        Returns:
+            `(output (B, T, d_model), cache)`, or `(output, scores, cache)`. The cache comes
+            back in the form given; under PyTorch with autograd off (generation) it is written
+            in place (the same tensors), elsewhere a new one.
+
+        Raises:
+            ValueError: on a layer that is not causal, or with `value_dim != key_dim`.
+        """
         if not self.causal:
             raise ValueError(f"{self.name}: a key/value cache is for causal self-attention "
                              "(autoregressive decoding); this layer has causal=False.")
@@ -474,22 +429,26 @@ class MultiHeadSelfAttention(_MultiHeadAttentionBase):
             raise ValueError(f"{self.name}: `cache_update_index` is required with `cache`.")
         self._check_cacheable()
         index = ops.cast(cache_update_index, "int32")
-        queries, *keys_values = self._project_step(inputs, index)
+        queries = self._rotate(call_layer(self.query_dense, inputs), index)
+        keys_values = self._project_context(inputs, index)
         if isinstance(cache, (tuple, list)):
-            cache = tuple(update_cache(part, index, ops.cast(_heads_first(new), part.dtype))
+            cache = tuple(update_cache(part, index, ops.cast(heads_first(new), part.dtype))
                           for part, new in zip(cache, keys_values))
         else:  # one write (two halves written, then stacked again, would copy the cache)
-            update = _heads_first(ops.stack(keys_values, 1))
+            update = heads_first(ops.stack(keys_values, 1))
             cache = update_cache(cache, index, ops.cast(update, cache.dtype))
         filled = index + ops.shape(inputs)[1]
         keys, values = (filled_part(part, filled) for part in cache_keys_values(cache))
-        if attention_mask is None and inputs.shape[1] == 1 and attends_filled_only():
-            merged = None  # one query, at the last filled position: it sees every key
-        else:
-            # Bottom-right over the filled part: query i (at position index + i) sees keys
-            # 0 … index + i. (`keys[:, 0]`: a `(B, L', d)` tensor for the key length.)
-            merged = masks_lib.merge_masks(inputs, keys[:, 0], attention_mask=attention_mask,
-                                           causal=True, causal_offset=index)
+        lean = attention_mask is None and not return_attention_scores and not (
+            training and self.dropout)
+        if lean and inputs.shape[1] == 1 and reads_cache_views():
+            return self._attend_step(queries, keys, values, None), cache  # sees every key
+        # Bottom-right over the cache: query i (at position index + i) sees keys 0 … index + i.
+        # (`keys[:, 0]`: a `(B, L', d)` tensor for the key length.)
+        merged = masks_lib.merge_masks(inputs, keys[:, 0], attention_mask=attention_mask,
+                                       causal=True, causal_offset=index)
+        if lean:
+            return self._attend_step(queries, keys, values, merged), cache
         result = self._attend(inputs, keys, values, merged, training, return_attention_scores,
                               heads_first=True, queries=queries)
         if return_attention_scores:
@@ -571,15 +530,15 @@ class CrossAttention(_MultiHeadAttentionBase):
         Pass the result as `context_cache` at every decoding step instead of `context`."""
         check_rank(self, "context", context.shape, 3)
         self._check_cacheable()
-        return _heads_first(ops.stack(self._project_context(context), axis=1))
+        return heads_first(ops.stack(self._project_context(context), axis=1))
 
     def call(self, query, context=None, attention_mask=None, training=None,
              return_attention_scores=False, context_cache=None, query_mask=None,
              context_mask=None):
         check_rank(self, "query", query.shape, 3)
         if context_cache is not None:
-            return self._call_cached(query, attention_mask, training, return_attention_scores,
-                                     context_cache, context_mask)
+            return self._call_cached(query, context_cache, context_mask, attention_mask,
+                                     training, return_attention_scores, lean=False)
         if context is None:
             raise ValueError(f"{self.name}: pass `context` or `context_cache`.")
         check_rank(self, "context", context.shape, 3)
@@ -589,10 +548,36 @@ class CrossAttention(_MultiHeadAttentionBase):
                                        attention_mask=attention_mask)
         return self._attend(query, keys, values, merged, training, return_attention_scores)
 
-    def _call_cached(self, query, attention_mask, training, return_attention_scores,
-                     context_cache, context_mask):
-        """Attend over a context cache of `B` rows from `m·B` query rows (`fold_query_rows`)."""
+    def call_with_cache(self, query, context_cache, context_mask=None, attention_mask=None,
+                        training=None, return_attention_scores=False):
+        """Attend from `query` over a context cache (cached decoding: the encoder's keys and
+        values computed once per source batch).
+
+        Args:
+            query: `(R, T, d_model)`.
+            context_cache: `compute_context_cache(context)` of `B` rows, or its `(keys,
+                values)` pair; `R = m·B`: query rows `b·m … b·m + m - 1` attend to cache row
+                `b` (and `context_mask` row `b`), as beam search's beams of a source do.
+            context_mask: optional bool `(B, S)`, True for real context positions; every row
+                needs one (`call` gives zeros for a row without).
+            attention_mask, training, return_attention_scores: as in `call`.
+
+        Returns:
+            `(R, T, d_model)`, or `(output, scores)` with `return_attention_scores`.
+        """
+        return self._call_cached(query, context_cache, context_mask, attention_mask, training,
+                                 return_attention_scores, lean=True)
+
+    def _call_cached(self, query, context_cache, context_mask, attention_mask, training,
+                     return_attention_scores, lean):
+        """`call_with_cache`; `lean=False` (`call`): a context row without keys gives zeros."""
         keys, values = cache_keys_values(context_cache)  # (B, H, S, d)
+        if lean and attention_mask is None and not return_attention_scores and not (
+                training and self.dropout):
+            folded, _ = fold_query_rows(query, keys)
+            mask = None if context_mask is None else ops.cast(context_mask, "bool")[:, None, :]
+            return unfold_query_rows(self._attend_step(
+                call_layer(self.query_dense, folded), keys, values, mask), query)
         folded, attention_mask = fold_query_rows(query, keys, attention_mask)
         merged = masks_lib.merge_masks(folded, keys[:, 0], key_padding_mask=context_mask,
                                        attention_mask=attention_mask)

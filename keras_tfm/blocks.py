@@ -14,10 +14,10 @@ from keras_tfm import masks as masks_lib
 from keras_tfm._backend import call_layer
 from keras_tfm._checks import check_dropout, check_key_value_heads, check_positive_int
 from keras_tfm._checks import check_rank, check_same_batch, with_quantized_dtypes
-from keras_tfm.attention import (CrossAttention, MultiHeadSelfAttention, cache_keys_values,
-                                 cache_spec)
+from keras_tfm.attention import CrossAttention, MultiHeadSelfAttention
 from keras_tfm.dropout import Dropout
 from keras_tfm.feedforward import FeedForward, get_activation
+from keras_tfm.kv_cache import cache_keys_values, cache_spec
 
 _SERIALIZABLE = keras.saving.register_keras_serializable(package="keras_tfm")
 
@@ -355,6 +355,45 @@ class TransformerDecoderBlock(_TransformerBlockBase):
                 return x, scores["self"]
             return x, scores["self"], scores["cross"]
         return x
+
+    def call_with_cache(self, inputs, self_attention_cache, cache_update_index,
+                        cross_attention_cache=None, encoder_outputs_mask=None):
+        """One cached decoding step (inference: no dropout, no attention weights).
+
+        Args:
+            inputs: `(R, T, d_model)` at positions `cache_update_index … + T - 1`.
+            self_attention_cache: `self_attention.empty_cache(R, L)`, filled before
+                `cache_update_index` (see `MultiHeadSelfAttention.call_with_cache`).
+            cache_update_index: int or scalar int tensor.
+            cross_attention_cache: `cross_attention.compute_context_cache(encoder_outputs)` or
+                its `(keys, values)` pair, of `B` rows with `R = m·B` (see
+                `CrossAttention.call_with_cache`); required with cross-attention.
+            encoder_outputs_mask: bool `(B, S)`, True for real source positions; every row
+                needs one.
+
+        Returns:
+            `(output (R, T, d_model), self_attention_cache)`, the cache updated (in place under
+            PyTorch with autograd off).
+        """
+        if self.cross_attention is not None and cross_attention_cache is None:
+            raise ValueError(f"{self.name}: pass `cross_attention_cache` (this block has "
+                             "cross-attention).")
+        updated = []
+
+        def self_attention(h):
+            h, cache = self.self_attention.call_with_cache(h, self_attention_cache,
+                                                           cache_update_index)
+            updated.append(cache)
+            return h
+
+        x = self._residual(inputs, self_attention, self.self_attention_norm,
+                           self.self_attention_dropout, False)
+        if self.cross_attention is not None:
+            x = self._residual(
+                x, lambda h: self.cross_attention.call_with_cache(h, cross_attention_cache,
+                                                                  encoder_outputs_mask),
+                self.cross_attention_norm, self.cross_attention_dropout, False)
+        return self._feed_forward_residual(x, False), updated[0]
 
     def compute_output_spec(self, inputs, encoder_outputs=None, *args,
                             return_attention_scores=False, self_attention_cache=None,

@@ -7,10 +7,13 @@ of encoder blocks (BERT), with per-token features or a classifier head. Both are
 keras_hub's backbones), so a `.keras` file keeps their configuration and special ids.
 """
 
+import functools
+
 import keras
 from keras import ops
 
 from keras_tfm import masks as masks_lib
+from keras_tfm._backend import call_layer
 from keras_tfm._checks import (check_dropout, check_positive_int, check_special_ids,
                                embed_or_nan, model_dtype_policy)
 from keras_tfm.blocks import TransformerDecoderBlock, TransformerEncoderBlock
@@ -139,6 +142,46 @@ class LanguageModel(_StackModel):
                                         name="logits")(x)
         self._model_config = config
         super().__init__(inputs=tokens, outputs=logits, name=name, **kwargs)
+
+    @functools.cached_property
+    def _parts(self):
+        """The layers of a cached step, by the names `__init__` gives them."""
+        names = {layer.name: layer for layer in self.layers}
+        position = names.get("position_encoding", names.get("position_embedding"))
+        blocks = [names[f"decoder_block_{i}"] for i in range(self._model_config["num_layers"])]
+        return names["token_embedding"], position, blocks, names.get("final_norm"), names["logits"]
+
+    def initial_cache(self, batch_size, max_length):
+        """Empty key/value caches for `call_with_cache`: `{"self": [...]}`, one
+        `self_attention.empty_cache(batch_size, max_length)` pair per decoder block."""
+        return {"self": [block.self_attention.empty_cache(batch_size, max_length,
+                                                          block.compute_dtype)
+                         for block in self._parts[2]]}
+
+    def call_with_cache(self, tokens, cache, cache_update_index):
+        """One cached step: the logits `(B, T, V)` of `tokens (B, T)` at positions
+        `cache_update_index … + T - 1`, each seeing the positions before it in `cache`, and
+        the cache with their keys and values written (in place under PyTorch with autograd
+        off). A prompt is prefilled by one call of all its tokens at index 0.
+
+        Example:
+
+        >>> cache = lm.initial_cache(2, 16)  # doctest: +SKIP
+        >>> logits, cache = lm.call_with_cache(prompts, cache, 0)  # doctest: +SKIP
+        """
+        embedding, position, blocks, final_norm, logits = self._parts
+        x = call_layer(embedding, tokens)
+        if self._model_config["scale_embeddings"]:
+            x = x * ops.cast(self._model_config["d_model"] ** 0.5, x.dtype)
+        if position is not None:
+            x = call_layer(position, x, start_index=cache_update_index)
+        updated = []
+        for block, block_cache in zip(blocks, cache["self"]):
+            x, block_cache = block.call_with_cache(x, block_cache, cache_update_index)
+            updated.append(block_cache)
+        if final_norm is not None:
+            x = call_layer(final_norm, x)
+        return call_layer(logits, x), {"self": updated}
 
 
 @_SERIALIZABLE

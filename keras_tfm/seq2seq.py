@@ -7,14 +7,20 @@ a functional graph of keras_tfm layers, and its config holds the hyper-parameter
 special token ids, so a `.keras` file rebuilds it and `generate` finds its ids.
 """
 
+import dataclasses
+import functools
+
 import keras
+from keras import ops
 
 from keras_tfm import masks as masks_lib
+from keras_tfm._backend import call_layer
 from keras_tfm._checks import (check_dropout, check_positive_int, check_special_ids,
                                model_dtype_policy, with_quantized_dtypes)
 from keras_tfm.blocks import TransformerDecoderBlock, TransformerEncoderBlock
 from keras_tfm.dropout import Dropout
 from keras_tfm.embedding import TokenAndPositionEmbedding
+from keras_tfm.kv_cache import cache_keys_values
 
 SPECIAL_ID_NAMES = ("pad_id", "start_id", "end_id")
 
@@ -213,6 +219,18 @@ class Seq2SeqTransformer(ConfiguredModel):
             logits = keras.layers.Dense(tgt_vocab_size, dtype=dtype, name="logits")(y)
         super().__init__([encoder_tokens, decoder_tokens], logits, name=name, **kwargs)
 
+    @functools.cached_property
+    def _parts(self):
+        return Seq2SeqParts.from_model(self)
+
+    def initial_cache(self, source_tokens, max_length, beams=1, pad_id=None):
+        """The cache of a search: see `Seq2SeqParts.initial_cache`."""
+        return self._parts.initial_cache(source_tokens, max_length, beams, pad_id)
+
+    def call_with_cache(self, tokens, cache, cache_update_index):
+        """One cached decoding step: see `Seq2SeqParts.call_with_cache`."""
+        return self._parts.call_with_cache(tokens, cache, cache_update_index)
+
 
 def build_transformer(*args, **kwargs):
     """Build the encoder-decoder transformer: a `Seq2SeqTransformer` (a functional `keras.Model`).
@@ -238,3 +256,136 @@ def build_transformer(*args, **kwargs):
     (2, 5, 120)
     """
     return Seq2SeqTransformer(*args, **kwargs)
+
+
+@dataclasses.dataclass
+class Seq2SeqParts:
+    """The layers of an encoder-decoder model, and its cached decoding (what `generate` runs).
+
+    `from_model` looks in `model.layers` for:
+
+    * two `TokenAndPositionEmbedding` layers: the ones named `encoder_embedding` and
+      `decoder_embedding` if present, else the first is the encoder's and the second the
+      decoder's; or one named `shared_embedding`, used by both;
+    * the `TransformerEncoderBlock` and `TransformerDecoderBlock` layers, in the order the model
+      calls them;
+    * optional final normalizations, which must be named `encoder_norm` and `decoder_norm`
+      (pre-LN models; another top-level `LayerNormalization` is a ValueError, as decoding
+      could not tell where it belongs);
+    * the output projection: the `Dense` layer named `logits`, else the last `Dense` layer; with
+      none, the decoder embedding's transposed matrix (tied embeddings).
+
+    `Seq2SeqTransformer` models (`build_transformer`, `from_marian`) and models built by hand as
+    in docs/design.md have exactly these. Dropout layers are skipped (decoding is inference).
+    The padding id comes from `model.special_ids` (0 for a model without one); a decoder whose
+    start id is its padding id keeps its first position as a real token (`keep_first`).
+    """
+
+    encoder_embedding: object
+    encoder_blocks: list
+    encoder_norm: object
+    decoder_embedding: object
+    decoder_blocks: list
+    decoder_norm: object
+    output_projection: object
+    pad_id: int = 0
+    keep_first: bool = False
+
+    @classmethod
+    def from_model(cls, model, pad_id=None):
+        layers = list(model.layers)
+        by_name = {layer.name: layer for layer in layers}
+        embeddings = [layer for layer in layers if isinstance(layer, TokenAndPositionEmbedding)]
+        if "encoder_embedding" in by_name and "decoder_embedding" in by_name:
+            embeddings = [by_name["encoder_embedding"], by_name["decoder_embedding"]]
+        elif isinstance(by_name.get("shared_embedding"), TokenAndPositionEmbedding):
+            embeddings = [by_name["shared_embedding"]] * 2
+        encoder_blocks = [layer for layer in layers if isinstance(layer, TransformerEncoderBlock)]
+        decoder_blocks = [layer for layer in layers if isinstance(layer, TransformerDecoderBlock)]
+        if len(embeddings) != 2 or not encoder_blocks or not decoder_blocks:
+            raise ValueError(
+                f"Model {model.name!r} is not a keras_tfm encoder-decoder: generation needs two "
+                "TokenAndPositionEmbedding layers (encoder, decoder) and at least one "
+                "TransformerEncoderBlock and TransformerDecoderBlock; found "
+                f"{len(embeddings)}, {len(encoder_blocks)} and {len(decoder_blocks)}."
+            )
+        dense = [layer for layer in layers if isinstance(layer, keras.layers.Dense)]
+        projection = by_name.get("logits", dense[-1] if dense else None)
+        norms = [layer for layer in layers if isinstance(layer, keras.layers.LayerNormalization)]
+        unnamed = [n.name for n in norms if n.name not in ("encoder_norm", "decoder_norm")]
+        if unnamed:
+            raise ValueError(
+                f"Model {model.name!r} has final LayerNormalization layers {unnamed}: generation "
+                "recognises them only by the names 'encoder_norm' and 'decoder_norm' (as "
+                "build_transformer names them); rename them so decoding matches the model."
+            )
+        own = getattr(model, "special_ids", {})
+        pad_id = own.get("pad_id", 0) if pad_id is None else pad_id
+        keep_first = own.get("start_id", None) == pad_id
+        return cls(embeddings[0], encoder_blocks, by_name.get("encoder_norm"), embeddings[1],
+                   decoder_blocks, by_name.get("decoder_norm"), projection, pad_id, keep_first)
+
+    @property
+    def target_vocab_size(self):
+        return self.decoder_embedding.vocab_size
+
+    def encode(self, source_tokens, pad_id=None):
+        """Encoder output `(B, S, d_model)` and the source padding mask `(B, S)`."""
+        mask = masks_lib.padding_mask(source_tokens, self.pad_id if pad_id is None else pad_id)
+        x = call_layer(self.encoder_embedding, source_tokens)
+        for block in self.encoder_blocks:
+            x = call_layer(block, x, mask=mask)
+        if self.encoder_norm is not None:
+            x = call_layer(self.encoder_norm, x)
+        return x, mask
+
+    def initial_cache(self, source_tokens, max_length, beams=1, pad_id=None):
+        """The cache of a search over `source_tokens (B, S)` (right-padded; every source holds
+        a real token) with `beams` rows a source, for `max_length` decoder positions: a dict
+        of each decoder block's empty self-attention cache (`"self"`, `B·beams` rows), its
+        cross-attention keys and values (`"cross"`, one row a source, shared by its beams) and
+        the source padding mask (`"source_mask"`). `pad_id`: the model's by default."""
+        encoder_outputs, source_mask = self.encode(source_tokens, pad_id)
+        rows = ops.shape(source_tokens)[0] * beams
+        return {
+            "self": [block.self_attention.empty_cache(rows, max_length, block.compute_dtype)
+                     for block in self.decoder_blocks],
+            "cross": [cache_keys_values(block.cross_attention.compute_context_cache(
+                encoder_outputs)) for block in self.decoder_blocks],
+            "source_mask": source_mask,
+        }
+
+    def call_with_cache(self, tokens, cache, cache_update_index):
+        """Logits `(R, T, V)` of the decoder tokens `(R, T)` at positions `cache_update_index
+        … + T - 1`, and the cache (`initial_cache`) with their keys and values written."""
+        x = call_layer(self.decoder_embedding, tokens, start_index=cache_update_index)
+        updated = []
+        for block, self_cache, cross in zip(self.decoder_blocks, cache["self"], cache["cross"]):
+            x, self_cache = block.call_with_cache(x, self_cache, cache_update_index, cross,
+                                                  cache["source_mask"])
+            updated.append(self_cache)
+        if self.decoder_norm is not None:
+            x = call_layer(self.decoder_norm, x)
+        if self.output_projection is None:
+            logits = call_layer(self.decoder_embedding, x, reverse=True)
+        else:
+            logits = call_layer(self.output_projection, x)
+        return logits, dict(cache, self=updated)
+
+    def cross_attention_weights(self, source_tokens, decoder_tokens):
+        """Cross-attention weights of every decoder block for teacher-forced decoder tokens.
+
+        Returns:
+            A list (one per decoder block) of `(B, num_heads, T, S)` weights: row t tells how
+            much target position t attends to each source token.
+        """
+        encoder_outputs, source_mask = self.encode(source_tokens)
+        x = self.decoder_embedding(decoder_tokens)
+        target_mask = masks_lib.padding_mask(decoder_tokens, self.pad_id,
+                                             keep_first=self.keep_first)
+        weights = []
+        for block in self.decoder_blocks:
+            x, _, cross = block(x, encoder_outputs, return_attention_scores=True,
+                                inputs_mask=target_mask, encoder_outputs_mask=source_mask)
+            weights.append(cross)
+        return weights

@@ -53,16 +53,21 @@ def jit_options():
     return {"jit_compile": BACKEND in ("jax", "tensorflow")}
 
 
-def record_traces(monkeypatch, search, shape_of=lambda shape: shape):
-    """Patch `keras_tfm.generation.<search>` (a search function, whose second argument is its
-    source or prompt tensor) to note `shape_of(tuple(that tensor's shape))` each time it runs:
-    under JAX and TensorFlow, once per trace. Returns the list of notes."""
-    from keras_tfm import generation
+def record_traces(monkeypatch, shape_of=lambda shape: shape):
+    """Patch `keras_tfm.search.search` to note `shape_of(shape)` each time a search runs (under
+    JAX and TensorFlow, once per trace), the shape of its sources (a translation: its source
+    padding mask) or prompts (a language model). Returns the list of notes."""
+    from keras_tfm import search
 
     traces = []
-    original = getattr(generation, search)
-    monkeypatch.setattr(generation, search, lambda parts, tokens, *args, **kwargs: traces.append(
-        shape_of(tuple(tokens.shape))) or original(parts, tokens, *args, **kwargs))
+    original = search.search
+
+    def recorded(decoder, settings, cache, prompts, *args, **kwargs):
+        tokens = cache["source_mask"] if "source_mask" in cache else prompts
+        traces.append(shape_of(tuple(tokens.shape)))
+        return original(decoder, settings, cache, prompts, *args, **kwargs)
+
+    monkeypatch.setattr(search, "search", recorded)
     return traces
 
 

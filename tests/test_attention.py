@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from helpers import copy_attention_to_torch, np_attention, np_mha, run_layer_test, run_mixed_precision_test, to_np
-from keras_tfm import (CrossAttention, MultiHeadSelfAttention, attention,
+from keras_tfm import (CrossAttention, MultiHeadSelfAttention,
                        scaled_dot_product_attention)
 from keras_tfm.masks import keras_mask
 
@@ -59,13 +59,10 @@ def test_fused_and_explicit_paths_agree_with_masks():
     np.testing.assert_array_equal(explicit[2], 0.0)
 
 
-@pytest.mark.parametrize("keys_lead", [False, True])
 @pytest.mark.parametrize("queries", [1, 4])
-def test_keys_heads_first_give_the_same_attention(queries, keys_lead, monkeypatch):
+def test_keys_heads_first_give_the_same_attention(queries):
     # The caches' layout (B, H, S, d): same outputs and weights as (B, S, H, d), on both paths,
-    # with a padding mask that leaves the last row no key. `keys_lead`: one query's scores
-    # taken as keys · query (what XLA on the CPU gets, `keys_lead_one_query`) on every backend.
-    monkeypatch.setattr(attention, "keys_lead_one_query", lambda: keys_lead)
+    # with a padding mask that leaves the last row no key.
     q, k, v = random((3, queries, 2, 8), 10), random((3, 6, 2, 8), 11), random((3, 6, 2, 8), 12)
     mask = np.broadcast_to(padding([6, 3, 0], 6)[:, None, :], (3, queries, 6))
     k_first, v_first = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)

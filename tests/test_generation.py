@@ -8,6 +8,7 @@ from keras import ops
 from helpers import BACKEND, record_traces, to_np
 from keras_tfm import build_transformer, generate
 from keras_tfm import generation
+from keras_tfm import search as search_lib
 from keras_tfm.generation import Seq2SeqParts
 
 SOS, EOS = 1, 2
@@ -52,20 +53,16 @@ def reference_greedy(model, src, max_length):
 
 @pytest.mark.parametrize("norm_first,rows", [(False, 3), (True, 3), (True, 1)])
 def test_cached_step_logits_equal_a_full_forward_pass(norm_first, rows):
-    """At three rows and at one (where under XLA on the CPU the caches are stacked arrays, not
-    pairs: `splits_caches`)."""
+    """The model's `call_with_cache`, one token a step, at three rows and at one."""
     model = small_model(norm_first)
     src = sources(1, batch=3)[-rows:]  # (the last: padded)
     dec = np.random.default_rng(2).integers(3, 22, (rows, 7)).astype("int32")
     dec[:, 0] = SOS
     full = to_np(model([src, dec]))
-    parts = Seq2SeqParts.from_model(model)
-    memory, source_mask = parts.encode(src)
-    cross = parts.cross_attention_caches(memory)
-    caches = parts.empty_self_attention_caches(rows, 7)
+    cache = model.initial_cache(src, 7)
     for i in range(7):
-        logits, caches = parts.decode_step(dec[:, i:i + 1], i, caches, cross, source_mask)
-        np.testing.assert_allclose(to_np(logits), full[:, i], atol=1e-4)
+        logits, cache = model.call_with_cache(dec[:, i:i + 1], cache, i)
+        np.testing.assert_allclose(to_np(logits)[:, 0], full[:, i], atol=1e-4)
 
 
 @pytest.mark.parametrize("norm_first", [False, True])
@@ -114,8 +111,8 @@ def test_beam_candidates_are_the_best_of_all_beams_and_tokens():
     batch, k, vocab, count = 3, 4, 50, 8
     logits = rng.normal(0.0, 3.0, (batch * k, vocab)).astype("float32")
     alive = rng.normal(-5.0, 2.0, (batch, k)).astype("float32")
-    alive[0, 1:] = generation._NEG_INF  # a first step: one live beam
-    values, beams, tokens = generation._beam_candidates(
+    alive[0, 1:] = search_lib.NEG_INF  # a first step: one live beam
+    values, beams, tokens = search_lib._beam_candidates(
         ops.convert_to_tensor(logits), ops.convert_to_tensor(alive), count)
     full = (alive[:, :, None] + np_log_softmax(logits.astype("float64")).reshape(batch, k, vocab))
     full = full.reshape(batch, k * vocab)
@@ -184,10 +181,7 @@ def test_hand_built_model_and_tied_embeddings_decode():
 def test_compiled_once_per_settings_and_sees_new_weights(monkeypatch):
     model = small_model()
     src = sources(8)
-    traces = []
-    original = generation._greedy_search
-    monkeypatch.setattr(generation, "_greedy_search",
-                        lambda *args, **kwargs: traces.append(1) or original(*args, **kwargs))
+    traces = record_traces(monkeypatch)
     first = generate(model, src, SOS, EOS, 6)
     second = generate(model, src, SOS, EOS, 6)
     np.testing.assert_array_equal(first, second)
@@ -224,9 +218,9 @@ def test_chunks_run_shortest_sources_first_where_shapes_are_free(monkeypatch):
     for method, beams in (("greedy", 1), ("beam", 2)):
         whole, whole_scores = generate(model, src, SOS, EOS, 6, method=method,
                                        beam_size=beams, return_scores=True)
-        generation._COMPILED.pop(model, None)
-        shapes, compile_search = [], generation._compile
-        monkeypatch.setattr(generation, "_compile", lambda *a, **k: (
+        search_lib._COMPILED.pop(model, None)
+        shapes, compile_search = [], search_lib._compile
+        monkeypatch.setattr(search_lib, "_compile", lambda *a, **k: (
             lambda run: lambda *x: shapes.append(tuple(x[0].shape)) or run(*x))(
                 compile_search(*a, **k)))
         chunked, scores = generate(model, src, SOS, EOS, 6, method=method, beam_size=beams,
@@ -246,8 +240,8 @@ def test_a_short_last_chunk_compiles_nothing_new(monkeypatch):
     src = sources(4, batch=15)
     whole, whole_scores = generate(model, src, SOS, EOS, 6, method="beam", beam_size=2,
                                    return_scores=True)
-    generation._COMPILED.pop(model, None)
-    traces = record_traces(monkeypatch, "_beam_search", lambda shape: shape[0])
+    search_lib._COMPILED.pop(model, None)
+    traces = record_traces(monkeypatch, lambda shape: shape[0])
     chunked, scores = generate(model, src, SOS, EOS, 6, method="beam", beam_size=2,
                                return_scores=True, batch_size=9)  # 9 + 6 sources
     assert chunked.shape[0] == scores.shape[0] == 15
@@ -260,41 +254,38 @@ def test_a_short_last_chunk_compiles_nothing_new(monkeypatch):
 
 
 class FixedDistribution:
-    """A stand-in language model for the search alone: every step gives the same
-    next-token distribution over PAD, SOS, EOS, A, B (the search code only calls these)."""
+    """A stand-in decoder for the search alone: every step gives the same next-token
+    distribution over PAD, SOS, EOS, A, B (the search only calls `call_with_cache`)."""
 
     def __init__(self, probabilities):
         self.logits = np.log(np.asarray(probabilities, "float32"))
-        self.target_vocab_size = len(probabilities)
 
-    def encode(self, source):
-        return ops.zeros(tuple(source.shape) + (1,)), ops.ones(source.shape, "bool")
+    def call_with_cache(self, tokens, cache, index):
+        logits = ops.tile(ops.convert_to_tensor(self.logits)[None, None], (tokens.shape[0], 1, 1))
+        return logits, cache
 
-    def cross_attention_caches(self, encoder_outputs):
-        return []
 
-    def empty_self_attention_caches(self, batch_size, max_length):
-        return [ops.zeros((batch_size, 1))]
-
-    def decode_step(self, tokens, index, caches, cross, source_mask):
-        logits = ops.tile(ops.convert_to_tensor(self.logits)[None], (tokens.shape[0], 1))
-        return logits, caches
+def fixed_search(decoder, strategy, sources=2, max_length=10):
+    rows = sources * strategy.beams
+    cache = {"self": [ops.zeros((rows, 1, max_length, 1))]}
+    settings = search_lib.Settings(strategy, max_length, EOS, 0)
+    return search_lib.search(decoder, settings, cache, ops.full((rows, 1), SOS, "int32"),
+                             ops.ones((rows,), "int32"))
 
 
 def test_beam_keeps_a_better_unfinished_beam_over_an_early_eos():
     # p(A) = 0.95, p(EOS) = 0.03: stopping at once scores log 0.03 = -3.5, ten A's score
     # 10 log 0.95 / ((5 + 10) / 6)^0.6 = -0.30, so the cut beam must win over the early EOS.
     parts = FixedDistribution([1e-6, 1e-6, 0.03, 0.95, 0.02])
-    source = ops.ones((2, 3), "int32")
-    greedy, greedy_scores = generation._greedy_search(parts, source, SOS, EOS, 10)
+    greedy, greedy_scores = fixed_search(parts, search_lib.Greedy())
     np.testing.assert_array_equal(to_np(greedy), np.full((2, 10), 3))
     for k in (1, 2):
-        tokens, scores = generation._beam_search(parts, source, SOS, EOS, 10, k, 0.6)
+        tokens, scores = fixed_search(parts, search_lib.Beam(k, 0.6))
         np.testing.assert_array_equal(to_np(tokens), np.full((2, 10), 3))
         np.testing.assert_allclose(to_np(scores), to_np(greedy_scores), rtol=1e-4)
     # With EOS far more likely, the one-token hypothesis wins.
     parts = FixedDistribution([1e-6, 1e-6, 0.6, 0.3, 0.1])
-    tokens, _ = generation._beam_search(parts, source, SOS, EOS, 10, 2, 0.6)
+    tokens, _ = fixed_search(parts, search_lib.Beam(2, 0.6))
     np.testing.assert_array_equal(to_np(tokens)[:, 0], EOS)
     assert (to_np(tokens)[:, 1:] == 0).all()
 
@@ -398,7 +389,7 @@ def test_length_buckets_pad_the_sources_without_changing_tokens(method):
 
 def test_one_compilation_per_length_bucket(monkeypatch):
     model = small_model()
-    traces = record_traces(monkeypatch, "_greedy_search", lambda shape: shape[1])
+    traces = record_traces(monkeypatch, lambda shape: shape[1])
     for length in (3, 5, 8, 9, 12):  # buckets 8, 8, 8, 16, 16
         generate(model, sources(length, batch=3, length=length), SOS, EOS, 4)
     if BACKEND == "jax":
@@ -414,7 +405,7 @@ def test_searches_of_xla_rows_or_more_compile_per_bucket(monkeypatch):
     per bucketed shape, as JAX does; the tokens and scores equal those of the same sources
     decoded in chunks of fewer rows (TensorFlow's one graph of unknown dimensions)."""
     model = small_model()
-    assert generation._XLA_ROWS == 17  # (the sources below are sized around it)
+    assert search_lib.XLA_ROWS == 17  # (the sources below are sized around it)
     src = np.concatenate([sources(5, batch=9), sources(6, batch=8)])  # 17 of length 9 (bucket 16)
     for method, beams in (("greedy", 1), ("beam", 2)):
         small = generate(model, src, SOS, EOS, 7, method=method, beam_size=beams,
@@ -423,8 +414,8 @@ def test_searches_of_xla_rows_or_more_compile_per_bucket(monkeypatch):
                          return_scores=True)  # 17 or 34 rows
         np.testing.assert_array_equal(whole[0], small[0])
         np.testing.assert_allclose(whole[1], small[1], atol=1e-5)
-    generation._COMPILED.pop(model, None)
-    traces = record_traces(monkeypatch, "_greedy_search")
+    search_lib._COMPILED.pop(model, None)
+    traces = record_traces(monkeypatch)
     for length in (3, 9, 12):  # buckets 8, 12, 12 (from 16 rows "auto" has halfway buckets)
         generate(model, sources(length, batch=17, length=length), SOS, EOS, 4)
     generate(model, sources(2, batch=16), SOS, EOS, 4)  # 16 rows: below the bar
@@ -452,9 +443,9 @@ def test_bucket_padding_and_its_limits():
         3, 10)
     # "auto": buckets where such searches compile; powers of two, and from 16 rows their
     # halfway points too (9 -> 16 or 12)
-    for rows, width in ((3, 16), (generation._FINE_BUCKET_ROWS, 12), (generation._XLA_ROWS, 12)):
+    for rows, width in ((3, 16), (generation._FINE_BUCKET_ROWS, 12), (search_lib.XLA_ROWS, 12)):
         auto = generation._bucket_sources(src, "auto", 0, embedding, rows)
-        per_shape = BACKEND == "jax" or (BACKEND == "tensorflow" and rows >= generation._XLA_ROWS)
+        per_shape = BACKEND == "jax" or (BACKEND == "tensorflow" and rows >= search_lib.XLA_ROWS)
         assert auto.shape == ((3, width) if per_shape else (3, 9))
     assert generation._FINE_BUCKETS[:8] == [8, 12, 16, 24, 32, 48, 64, 96]
     for bad in ((16, 8), (0, 8), "powers", (8.0,), ()):
@@ -467,11 +458,11 @@ def test_the_compile_cache_per_model_is_bounded():
     src = sources(31, batch=3, length=4)
     for max_length in range(1, 12):
         generate(model, src, SOS, EOS, max_length)
-    kept = generation._COMPILED[model][1]
-    assert len(kept) == generation._MAX_COMPILED
-    assert [key[-1] for key in kept] == list(range(4, 12))  # the most recently used
+    kept = search_lib._COMPILED[model][1]
+    assert len(kept) == search_lib.MAX_COMPILED
+    assert [key[1].max_length for key in kept] == list(range(4, 12))  # the most recently used
     generate(model, src, SOS, EOS, 5)  # a hit moves to the end
-    assert list(kept)[-1][-1] == 5 and len(kept) == generation._MAX_COMPILED
+    assert list(kept)[-1][1].max_length == 5 and len(kept) == search_lib.MAX_COMPILED
 
 
 def test_generate_after_quantize_runs_the_quantized_weights():
@@ -480,7 +471,7 @@ def test_generate_after_quantize_runs_the_quantized_weights():
     _, before = generate(model, src, end_id=None, max_length=6, return_scores=True)
     model.quantize("int8")
     _, after = generate(model, src, end_id=None, max_length=6, return_scores=True)
-    generation._COMPILED.pop(model)  # a search compiled afresh
+    search_lib._COMPILED.pop(model)  # a search compiled afresh
     _, fresh = generate(model, src, end_id=None, max_length=6, return_scores=True)
     np.testing.assert_allclose(after, fresh, rtol=1e-5)
     assert np.abs(after - before).max() > 1e-4

@@ -55,16 +55,16 @@ def test_chunks_with_a_short_last_one_equal_one_batch(monkeypatch):
     """`batch_size` chunks (2 + 2 + 1 prompts) decode what one batch does; where the search is
     compiled per shape (JAX, TensorFlow's graph per shape) the last chunk is filled up and
     nothing is traced again; the sampled draws are each row's own."""
-    from keras_tfm import generation
+    from keras_tfm import search
 
     lm = small_lm()
     prompts = PROMPTS + [[6, 6, 6, 6], [9]]
     for options in (dict(), dict(method="sample", top_k=5, seed=7)):
         whole = generate(lm, prompts, max_length=5, end_id=None, return_scores=True,
                          **options)
-        generation._COMPILED.pop(lm, None)
+        search._COMPILED.pop(lm, None)
         with monkeypatch.context() as patch:
-            traces = record_traces(patch, "_language_model_search", lambda shape: shape[0])
+            traces = record_traces(patch, lambda shape: shape[0])
             chunked = generate(lm, prompts, max_length=5, end_id=None, return_scores=True,
                                batch_size=2, **options)
         np.testing.assert_array_equal(chunked[0], whole[0])
