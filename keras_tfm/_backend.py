@@ -1,8 +1,8 @@
-"""Backend special cases of keras_tfm's layers and decoding, each a small helper saying why
-(figures: benchmarks/README.md); the rest is `keras.ops`. No keras_tfm imports."""
+"""Backend special cases of keras_tfm's cached decoding, each a small helper saying why
+(figures: benchmarks/README.md); the rest is `keras.ops`. No keras_tfm imports. (How layers
+call their sublayers: `_layer_calls`.)"""
 
 import functools
-import math
 import weakref
 
 import keras
@@ -25,104 +25,6 @@ def writes_in_place():
     return not torch.is_grad_enabled()
 
 
-def _plain(layer):  # built, not quantized, no casts: `__call__` adds bookkeeping alone
-    return (layer.built and layer.quantization_mode is None
-            and layer.compute_dtype == layer.variable_dtype)
-
-
-def call_layer(layer, *args, **kwargs):
-    """`layer(*args, **kwargs)`; under PyTorch, a plain layer's `call` directly: eager PyTorch
-    runs Keras's `Layer.__call__` bookkeeping at every call of every sublayer in every step (JAX
-    and TensorFlow only when they trace); the layers pass masks and `training` explicitly. With
-    autograd off, some layers run as single torch calls (`_torch_inference`). Mixed-precision
-    and quantized layers keep `__call__`, which casts and dequantizes."""
-    if not (_torch() and _plain(layer)):
-        return layer(*args, **kwargs)
-    if writes_in_place() and len(args) == 1 and not kwargs.keys() - {"training", "reverse"}:
-        output = _torch_inference(layer, args[0], kwargs.get("reverse", False))
-        if output is not None:
-            return output
-    return layer.call(*args, **kwargs)
-
-
-def _torch_inference(layer, inputs, reverse=False):
-    """`layer`'s inference call on a torch tensor as one torch call, or None where `call` must
-    run: a last-axis `LayerNormalization` (in float32 at least, as Keras), a `_linear_form`
-    product `inputs[..., in] @ kernel[in, out…] + bias` (then the activation), or a tied
-    `ReversibleEmbedding`'s logits `inputs @ tableᵀ` (by `_torch_product`)."""
-    import torch
-
-    if reverse:  # a tied table's logits, unless LoRA, a reverse dtype or a soft cap change them
-        plain = type(layer) is keras.layers.ReversibleEmbedding and layer.tie_weights and not (
-            getattr(layer, "lora_enabled", False) or layer.reverse_dtype or layer.logit_soft_cap)
-        return _torch_product(layer, inputs, layer.embeddings.value, True) if plain else None
-    if type(layer) is keras.layers.LayerNormalization:
-        if layer.rms_scaling or layer.axis not in (-1, inputs.dim() - 1, [-1], [inputs.dim() - 1]):
-            return None
-        dtype = torch.promote_types(inputs.dtype, torch.float32)
-        gamma, beta = (None if w is None else w.value.to(dtype) for w in (layer.gamma, layer.beta))
-        return torch.nn.functional.layer_norm(inputs.to(dtype), inputs.shape[-1:], gamma, beta,
-                                              layer.epsilon).to(inputs.dtype)
-    contracted = _linear_form(layer)
-    if contracted is None:
-        return None
-    kernel = layer.kernel.value
-    width, tail = math.prod(kernel.shape[:contracted]), tuple(kernel.shape[contracted:])
-    lead = inputs.shape[:inputs.dim() - contracted]
-    bias = None if layer.bias is None else layer.bias.value.reshape(-1)
-    output = _torch_product(layer, inputs.reshape(*lead, width), kernel, False, bias)
-    output = output.reshape(*lead, *tail)
-    return output if layer.activation is None else layer.activation(output)
-
-
-_PACKED = weakref.WeakKeyDictionary()  # layer -> (weight tensor, its version, packed copy)
-
-
-def _torch_product(layer, inputs, weight, transposed, bias=None):
-    """`inputs (N, in) @ W + bias`, W the weight `(in, out…)` (`(out, in)` if `transposed`); in
-    float32 on the CPU by oneDNN's kernel against a copy of W packed in its layout (as much
-    memory again; remade when the weight tensor or its in-place version changes), which beat
-    torch's own products on the CPUs of benchmarks/README.md."""
-    import torch
-
-    if (inputs.dtype != torch.float32 or weight.device.type != "cpu"
-            or not torch.backends.mkldnn.is_available()):
-        output = inputs @ (weight.T if transposed else weight.reshape(inputs.shape[-1], -1))
-        return output if bias is None else output + bias
-    held = _PACKED.get(layer)
-    if held is None or held[0] is not weight or held[1] != weight._version:
-        matrix = weight if transposed else weight.reshape(inputs.shape[-1], -1).T
-        held = _PACKED[layer] = (weight, weight._version,
-                                 torch.ops.mkldnn._reorder_linear_weight(matrix.contiguous()))
-    return torch.ops.mkldnn._linear_pointwise(inputs, held[2], bias, "none", [], "")
-
-
-def _linear_form(layer):
-    """n when a `Dense` / `EinsumDense` layer is `inputs[..., in] @ kernel[in, out…] + bias`
-    with `in` its input's last n axes (then an activation); None for another einsum or LoRA."""
-    if getattr(layer, "lora_enabled", False) or type(layer) not in (keras.layers.Dense,
-                                                                     keras.layers.EinsumDense):
-        return None
-    if type(layer) is keras.layers.Dense:
-        return 1
-    n = _contracted_axes(layer.equation)
-    if n is None or (layer.bias is not None
-                     and tuple(layer.bias.shape) != tuple(layer.kernel.shape[n:])):
-        return None
-    return n
-
-
-@functools.lru_cache(maxsize=None)
-def _contracted_axes(equation):
-    """n for an einsum `...x,xk->...k` contracting the input's last n axes (parsed once)."""
-    inputs, rest = equation.split(",")
-    kernel, output = rest.split("->")
-    n = sum(letter in inputs for letter in kernel)
-    if kernel[:n] == inputs[-n:] and output == inputs[:-n] + kernel[n:]:
-        return n
-    return None
-
-
 def dot_product_attention(query, key, value, mask, scale, heads_first=False, causal=False):
     """`keras.ops.dot_product_attention` of queries `(B, T, H, d)` and keys and values
     `(B, S, H, d)` (`(B, H, S, d)` with `heads_first`, PyTorch only), a bool mask broadcasting
@@ -134,8 +36,8 @@ def dot_product_attention(query, key, value, mask, scale, heads_first=False, cau
                                          is_causal=causal)
     import torch
 
-    query, key, value = (ops.convert_to_tensor(x) for x in (query, key, value))
-    mask = None if mask is None else ops.convert_to_tensor(mask, "bool")
+    query, key, value = (torch.as_tensor(x) for x in (query, key, value))
+    mask = None if mask is None else torch.as_tensor(mask).bool()
     if not heads_first:
         key, value = key.transpose(1, 2), value.transpose(1, 2)
     output = torch.nn.functional.scaled_dot_product_attention(
@@ -158,13 +60,16 @@ def filled_part(cache, length):
 
 
 def update_cache(cache, index, update):
-    """A cache `(B, [2,] H, L, d)` with `update` `(B, [2,] H, T, d)` written at position `index`:
-    in place where `writes_in_place`, else `ops.slice_update` (a new array)."""
+    """A cache `(B, [2,] H, L, d)` with the new keys or values `update` `(B, [2,] T, H, d)`
+    written heads first at position `index` (in the cache's dtype): in place where
+    `writes_in_place` (torch's copy transposes and casts), else `ops.slice_update` (a new
+    array)."""
     if writes_in_place():
-        cache.narrow(_POSITIONS, int(index), update.shape[_POSITIONS]).copy_(update)
+        cache.narrow(_POSITIONS, int(index), update.shape[-3]).copy_(update.transpose(-3, -2))
         return cache
     zero = ops.zeros((), "int32")
-    return ops.slice_update(cache, (zero,) * (len(cache.shape) - 2) + (index, zero), update)
+    return ops.slice_update(cache, (zero,) * (len(cache.shape) - 2) + (index, zero),
+                            ops.cast(ops.swapaxes(update, -3, -2), cache.dtype))
 
 
 def reorder_beams(caches, parent, length):
@@ -192,6 +97,56 @@ def suppress_token(logits, token_id, value):
         return logits
     column = ops.equal(ops.arange(ops.shape(logits)[-1], dtype="int32"), token_id)
     return ops.where(column[None, :], ops.cast(value, logits.dtype), logits)
+
+
+FEW_ROWS = 16  # the most rows (sources × beams) of a JAX search compiled without YNNPACK
+_NO_YNNPACK = (("xla_cpu_experimental_ynn_fusion_type", ""),)
+
+
+def few_rows_options(rows, quantized):
+    """XLA's compile options of a JAX search of `rows` rows (sources × beams) on the CPU:
+    YNNPACK off for at most `FEW_ROWS` rows of a model that is not `quantized` (XLA's own
+    products read a few rows' weights faster; quantized products need YNNPACK's int8
+    kernels), else None (also where this JAX's XLA lacks the option). Such a search takes its
+    tied logits against the table transposed (`transposed_table`): XLA's own product of a few
+    rows against the `(V, d)` table is many times slower. Figures: benchmarks/README.md."""
+    if not (xla_cpu() and rows <= FEW_ROWS and not quantized and _knows(_NO_YNNPACK)):
+        return None
+    return dict(_NO_YNNPACK)
+
+
+@functools.lru_cache(maxsize=None)
+def _knows(options):
+    """Whether this JAX's XLA compiles with `options` ((name, value) pairs; it refuses an
+    option it lacks)."""
+    import jax
+
+    try:
+        jax.jit(lambda x: x, compiler_options=dict(options)).lower(0).compile()
+    except Exception:  # an INVALID_ARGUMENT JaxRuntimeError
+        return False
+    return True
+
+
+def quantized_variables(variables):
+    """Whether `variables` include a quantized layer's (int8, int4 or float8)."""
+    return any(v.dtype in ("int8", "int4") or v.dtype.startswith("float8") for v in variables)
+
+
+_TRANSPOSED = weakref.WeakKeyDictionary()  # model -> (its table's value, the value transposed)
+
+
+def transposed_table(model, table, rows):
+    """`model`'s tied logits table variable `table` `(V, d)` as a `(d, V)` array of its own
+    (as much memory again, made once per value) where a search of `rows` rows compiles with
+    `few_rows_options` (made inside the compiled search, XLA would fold the transpose back
+    into the product); else None."""
+    if table is None or few_rows_options(rows, quantized_variables(model.variables)) is None:
+        return None
+    held = _TRANSPOSED.get(model)
+    if held is None or held[0] is not table.value:
+        held = _TRANSPOSED[model] = (table.value, ops.transpose(table.value))
+    return held[1]
 
 
 def xla_cpu():

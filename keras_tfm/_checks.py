@@ -4,7 +4,7 @@ import keras
 import numpy as np
 from keras import ops
 
-from keras_tfm._backend import call_layer
+from keras_tfm._layer_calls import call_layer
 
 
 def clone_initializer(initializer):

@@ -10,11 +10,12 @@ import keras
 from keras import ops
 
 from keras_tfm import masks as masks_lib
-from keras_tfm._backend import (call_layer, dot_product_attention, filled_part,
-                                reads_cache_views, update_cache)
+from keras_tfm._backend import (dot_product_attention, filled_part, reads_cache_views,
+                                update_cache)
 from keras_tfm._checks import clone_initializer
 from keras_tfm._checks import check_dropout, check_key_value_heads, check_positive_int
 from keras_tfm._checks import check_rank, check_same_batch, with_quantized_dtypes
+from keras_tfm._layer_calls import call_layer
 from keras_tfm.dropout import Dropout
 from keras_tfm.kv_cache import (cache_keys_values, cache_spec, fold_query_rows, heads_first,
                                 unfold_query_rows)
@@ -432,11 +433,9 @@ class MultiHeadSelfAttention(_MultiHeadAttentionBase):
         queries = self._rotate(call_layer(self.query_dense, inputs), index)
         keys_values = self._project_context(inputs, index)
         if isinstance(cache, (tuple, list)):
-            cache = tuple(update_cache(part, index, ops.cast(heads_first(new), part.dtype))
-                          for part, new in zip(cache, keys_values))
+            cache = tuple(update_cache(part, index, new) for part, new in zip(cache, keys_values))
         else:  # one write (two halves written, then stacked again, would copy the cache)
-            update = heads_first(ops.stack(keys_values, 1))
-            cache = update_cache(cache, index, ops.cast(update, cache.dtype))
+            cache = update_cache(cache, index, ops.stack(keys_values, 1))
         filled = index + ops.shape(inputs)[1]
         keys, values = (filled_part(part, filled) for part in cache_keys_values(cache))
         lean = attention_mask is None and not return_attention_scores and not (

@@ -11,9 +11,9 @@ RMSNorm, a gated feed-forward, rotary positions and grouped-query attention.
 import keras
 
 from keras_tfm import masks as masks_lib
-from keras_tfm._backend import call_layer
 from keras_tfm._checks import check_dropout, check_key_value_heads, check_positive_int
 from keras_tfm._checks import check_rank, check_same_batch, with_quantized_dtypes
+from keras_tfm._layer_calls import call_layer
 from keras_tfm.attention import CrossAttention, MultiHeadSelfAttention
 from keras_tfm.dropout import Dropout
 from keras_tfm.feedforward import FeedForward, get_activation
@@ -126,10 +126,14 @@ class _TransformerBlockBase(keras.layers.Layer):
         self.feed_forward_dropout = self._dropout("feed_forward_dropout")
 
     def _residual(self, x, sublayer, norm, dropout, training):
-        """Residual connection and layer normalization around `sublayer`, post- or pre-LN."""
+        """Residual connection and layer normalization around `sublayer`, post- or pre-LN
+        (the dropout only in training)."""
+        def dropped(h):
+            return call_layer(dropout, h, training=training) if training else h
+
         if self.norm_first:
-            return x + call_layer(dropout, sublayer(call_layer(norm, x)), training=training)
-        return call_layer(norm, x + call_layer(dropout, sublayer(x), training=training))
+            return x + dropped(sublayer(call_layer(norm, x)))
+        return call_layer(norm, x + dropped(sublayer(x)))
 
     def _feed_forward_residual(self, x, training):
         return self._residual(x, lambda h: call_layer(self.feed_forward, h, training=training),

@@ -6,9 +6,10 @@ import keras
 from keras import ops
 
 from keras_tfm import masks as masks_lib
-from keras_tfm._backend import call_layer, unfused
+from keras_tfm._backend import unfused
 from keras_tfm._checks import (check_positive_int, check_token_id, embed_or_nan,
                                with_quantized_dtypes)
+from keras_tfm._layer_calls import call_layer, tied_logits
 from keras_tfm.positional import (SINUSOIDAL_LAYOUTS, PositionEmbedding,
                                   SinusoidalPositionalEncoding)
 
@@ -116,10 +117,7 @@ class TokenAndPositionEmbedding(keras.layers.Layer):
 
     def call(self, inputs, start_index=0, reverse=False):
         if reverse:
-            logits = call_layer(self.token_embedding, inputs, reverse=True)
-            if self.reverse_bias:
-                logits = unfused(logits) + ops.cast(self.logits_bias, logits.dtype)
-            return logits
+            return self._biased(call_layer(self.token_embedding, inputs, reverse=True))
         x = embed_or_nan(self.token_embedding, inputs, self.vocab_size)
         if self.freeze_pad:  # no gradient reaches the padding row (torch's padding_idx)
             is_pad = ops.equal(inputs, self.pad_id)[..., None]
@@ -134,6 +132,16 @@ class TokenAndPositionEmbedding(keras.layers.Layer):
         if not self.mask_zero:
             return None
         return masks_lib.padding_mask(inputs, pad_id=self.pad_id)
+
+    def transposed_logits(self, hidden, table):
+        """`call(hidden, reverse=True)` with the token table given transposed, `(d_model, V)`
+        (a search's copy, `_backend.transposed_table`): the same logits `(B, T, V)`."""
+        return self._biased(ops.matmul(hidden, ops.cast(table, hidden.dtype)))
+
+    def _biased(self, logits):
+        if self.reverse_bias:
+            logits = unfused(logits) + ops.cast(self.logits_bias, logits.dtype)
+        return logits
 
     def compute_output_shape(self, input_shape, start_index=0, reverse=False):
         if reverse:
@@ -199,8 +207,7 @@ class TiedLogits(keras.layers.Layer):
         if embedding is None:
             raise ValueError(f"{self.name}: a TiedLogits layer needs the embedding layer whose "
                              "matrix it uses (TiedLogits(embedding)).")
-        matrix = ops.cast(embedding.embeddings, inputs.dtype)
-        return ops.matmul(inputs, ops.transpose(matrix))
+        return tied_logits(inputs, ops.cast(embedding.embeddings, inputs.dtype))
 
     def compute_output_shape(self, input_shape):
         return tuple(input_shape[:-1]) + (self._embedding().input_dim,)

@@ -2,9 +2,9 @@
 
 import keras
 
-from keras_tfm._backend import call_layer
 from keras_tfm._checks import clone_initializer, with_quantized_dtypes
 from keras_tfm._checks import check_dropout, check_positive_int, check_rank
+from keras_tfm._layer_calls import call_layer
 from keras_tfm.dropout import Dropout
 
 _SERIALIZABLE = keras.saving.register_keras_serializable(package="keras_tfm")
@@ -92,7 +92,8 @@ class FeedForward(keras.layers.Layer):
         hidden = call_layer(self.intermediate_dense, inputs)
         if self.gated:
             hidden = hidden * call_layer(self.up_dense, inputs)
-        hidden = call_layer(self.dropout_layer, hidden, training=training)
+        if training:
+            hidden = call_layer(self.dropout_layer, hidden, training=training)
         return call_layer(self.output_dense, hidden)
 
     def compute_output_shape(self, input_shape):

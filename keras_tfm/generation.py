@@ -15,6 +15,7 @@ import numpy as np
 from keras import ops
 
 from keras_tfm import search as search_lib
+from keras_tfm._backend import transposed_table
 from keras_tfm._checks import (check_lengths, check_search_options, check_sources,
                                resolve_special_ids, unpadded_prompts)
 from keras_tfm.models import LanguageModel
@@ -161,15 +162,18 @@ def generate(model, source_tokens, start_id=AUTO, end_id=AUTO, max_length=None, 
     if isinstance(strategy, search_lib.Sample):
         inputs.append(search_lib.uniforms(seed, len(source_tokens), max_length + 1))
 
-    def run(source, uniforms=None):
+    def run(source, uniforms=None, logits_table=None):
         cache = decoder.initial_cache(source, max_length, beams, pad_id)
+        if logits_table is not None:
+            cache = dict(cache, logits_table=logits_table)
         rows = ops.shape(source)[0] * beams
         prompts = ops.full((rows, 1), start_id, "int32")
         return search_lib.search(decoder, settings, cache, prompts, ops.ones((rows,), "int32"),
                                  uniforms)
 
     return _run_in_chunks(model, ("seq2seq", settings), run, inputs, batch_size, verbose,
-                          pad_id, return_scores, beams=beams, sources=True)
+                          pad_id, return_scores, beams=beams, sources=True,
+                          table=parts.tied_table())
 
 
 def _end(end_id):
@@ -187,14 +191,18 @@ def _strategy(method, beam_size, length_penalty, temperature, top_k, top_p):
 
 
 def _run_in_chunks(model, key, function, inputs, batch_size, verbose, pad_id, return_scores,
-                   static_shapes=False, beams=1, sources=False):
+                   static_shapes=False, beams=1, sources=False, table=None):
     """Run `function`, compiled once per `key` (`search.compiled`), on chunks of the NumPy
     `inputs` (`beams` beams a row); the tokens cut after the longest sequence, and the scores,
-    in the order given. With `sources` (`inputs[0]`: right-padded sources) and shapes that cost
-    no compile (PyTorch, TensorFlow's graph), chunks take the shortest sources first, each cut
-    to its longest (the padding is masked: the tokens are those of any chunking)."""
+    in the order given. With `sources` (`inputs[0]`: right-padded sources) and shapes that
+    cost no compile (PyTorch, TensorFlow's graph), chunks take the shortest sources first, each
+    cut to its longest (the padding is masked: the tokens are those of any chunking). `table`:
+    the model's tied logits table variable, passed transposed as `logits_table` where the
+    search reads it so (`_backend.transposed_table`)."""
     run = search_lib.compiled(model, key, function, beams, static_shapes)
     chunk = batch_size or len(inputs[0])
+    transposed = transposed_table(model, table, min(chunk, len(inputs[0])) * beams)
+    constants = {} if transposed is None else {"logits_table": transposed}
     per_shape = search_lib.compiles_per_shape(chunk * beams, static_shapes)
     starts = range(0, len(inputs[0]), chunk)
     order = None
@@ -213,7 +221,7 @@ def _run_in_chunks(model, key, function, inputs, batch_size, verbose, pad_id, re
             # A shorter last chunk would compile the search again: filled up with copies of
             # its first row, whose results are dropped (rows never interact).
             part = [np.concatenate([x, np.repeat(x[:1], chunk - rows, axis=0)]) for x in part]
-        tokens, scores = run(*[ops.convert_to_tensor(x) for x in part])
+        tokens, scores = run(*[ops.convert_to_tensor(x) for x in part], **constants)
         all_tokens.append(np.asarray(ops.convert_to_numpy(tokens))[:rows])
         all_scores.append(np.asarray(ops.convert_to_numpy(scores), "float32")[:rows])
         if progress is not None:
@@ -298,10 +306,13 @@ def generate_language_model(model, prompts, max_length, end_id=AUTO, pad_id=AUTO
     if isinstance(strategy, search_lib.Sample):
         inputs.append(search_lib.uniforms(seed, len(prompts), prompts.shape[1] + max_length))
 
-    def run(prompts, lengths, uniforms=None):
+    def run(prompts, lengths, uniforms=None, logits_table=None):
         cache = model.initial_cache(ops.shape(prompts)[0], prompts.shape[1] + max_length - 1)
+        if logits_table is not None:
+            cache = dict(cache, logits_table=logits_table)
         return search_lib.search(model, settings, cache, prompts, lengths, uniforms)
 
     # The caches hold prompt length + max_length - 1 positions: a static shape for TensorFlow.
     return _run_in_chunks(model, ("language_model", settings), run, inputs, batch_size, verbose,
-                          None if not suppress_pad else pad_id, return_scores, static_shapes=True)
+                          None if not suppress_pad else pad_id, return_scores, static_shapes=True,
+                          table=model.tied_table())

@@ -43,6 +43,8 @@ def fold_query_rows(query, keys, attention_mask=None):
     if rows is not None and sources is not None and (rows % sources if sources else rows):
         raise ValueError(f"A context cache of {sources} rows serves a query of a multiple of "
                          f"{sources} rows; received {rows} query rows.")
+    if attention_mask is None and rows is not None and rows == sources:
+        return query, None  # (nothing to fold)
     sources = ops.shape(keys)[0]
     if attention_mask is not None:  # (its shape checked as the query's, before the fold)
         attention_mask = masks_lib.check_attention_mask(attention_mask, query, keys[:, 0])
@@ -54,6 +56,8 @@ def fold_query_rows(query, keys, attention_mask=None):
 
 def unfold_query_rows(output, query):
     """The output `(B, m·T, D')` of a folded query (`fold_query_rows`) as `(R, T, D')`."""
+    if output.shape[0] is not None and output.shape[0] == query.shape[0]:
+        return output  # (not folded)
     return ops.reshape(output, ops.shape(query)[:2] + (output.shape[-1],))
 
 

@@ -13,9 +13,9 @@ import keras
 from keras import ops
 
 from keras_tfm import masks as masks_lib
-from keras_tfm._backend import call_layer
 from keras_tfm._checks import (check_dropout, check_positive_int, check_special_ids,
                                embed_or_nan, model_dtype_policy)
+from keras_tfm._layer_calls import call_layer, tied_table
 from keras_tfm.blocks import TransformerDecoderBlock, TransformerEncoderBlock
 from keras_tfm.dropout import Dropout
 from keras_tfm.embedding import TiedLogits
@@ -162,7 +162,9 @@ class LanguageModel(_StackModel):
         """One cached step: the logits `(B, T, V)` of `tokens (B, T)` at positions
         `cache_update_index … + T - 1`, each seeing the positions before it in `cache`, and
         the cache with their keys and values written (in place under PyTorch with autograd
-        off). A prompt is prefilled by one call of all its tokens at index 0.
+        off). A prompt is prefilled by one call of all its tokens at index 0. A cache entry
+        `"logits_table"` (the tied table transposed, `(d_model, V)`) gives the logits against
+        it.
 
         Example:
 
@@ -181,7 +183,15 @@ class LanguageModel(_StackModel):
             updated.append(block_cache)
         if final_norm is not None:
             x = call_layer(final_norm, x)
-        return call_layer(logits, x), {"self": updated}
+        if "logits_table" in cache:
+            return ops.matmul(x, ops.cast(cache["logits_table"], x.dtype)), dict(cache,
+                                                                                self=updated)
+        return call_layer(logits, x), dict(cache, self=updated)
+
+    def tied_table(self):
+        """The tied logits table variable `(V, d_model)` (`_layer_calls.tied_table`), or None."""
+        embedding, *_, logits = self._parts
+        return tied_table(logits, embedding) if isinstance(logits, TiedLogits) else None
 
 
 @_SERIALIZABLE

@@ -11,7 +11,8 @@ import keras
 import numpy as np
 from keras import ops
 
-from keras_tfm._backend import reorder_beams, suppress_token, xla_cpu
+from keras_tfm._backend import (few_rows_options, quantized_variables, reorder_beams,
+                                suppress_token, xla_cpu)
 
 NO_END = -1  # `end_id=None`: an id that never comes, so decoding runs to max_length
 NEG_INF = -1e9  # finite: -inf - -inf would give NaN in the beam bookkeeping
@@ -323,8 +324,9 @@ def compiles_per_shape(rows, static_shapes=False):
 
 
 def compiled(model, key, function, beams=1, static_shapes=False):
-    """`function(*inputs)` compiled once per model and `key` (`MAX_COMPILED` kept): JAX's jit
-    with the variables passed in (weight updates seen; a trace per input shape); TensorFlow's
+    """`function(*inputs, **constants)` compiled once per model and `key` (`MAX_COMPILED`
+    kept): JAX's jit with the variables passed in (weight updates seen; a trace per input
+    shape; XLA's `few_rows_options` for a few rows); TensorFlow's
     `tf.function` without AutoGraph, with XLA per input shape from `XLA_ROWS` rows (`beams` a
     source), else one graph of unknown dimensions (per shape with `static_shapes`); PyTorch
     eager with autograd off. Figures behind these choices: benchmarks/README.md."""
@@ -345,13 +347,21 @@ def _compile(model, function, beams, static_shapes):
         import jax
 
         variables = list(model.variables)
+        quantized = quantized_variables(variables)
+        functions = {}  # XLA's options (`few_rows_options`) -> the jitted search
 
-        def stateless(values, *inputs):
+        def stateless(values, *inputs, **constants):
             with keras.StatelessScope(state_mapping=list(zip(variables, values))):
-                return function(*inputs)
+                return function(*inputs, **constants)
 
-        jitted = jax.jit(stateless)
-        return lambda *inputs: jitted([v.value for v in variables], *inputs)
+        def run(*inputs, **constants):
+            options = few_rows_options(inputs[0].shape[0] * beams, quantized)
+            key = None if options is None else tuple(options.items())
+            if key not in functions:
+                functions[key] = jax.jit(stateless, compiler_options=options)
+            return functions[key]([v.value for v in variables], *inputs, **constants)
+
+        return run
     if backend == "tensorflow":
         import tensorflow as tf
 

@@ -14,9 +14,9 @@ import keras
 from keras import ops
 
 from keras_tfm import masks as masks_lib
-from keras_tfm._backend import call_layer
 from keras_tfm._checks import (check_dropout, check_positive_int, check_special_ids,
                                model_dtype_policy, with_quantized_dtypes)
+from keras_tfm._layer_calls import call_layer, tied_table
 from keras_tfm.blocks import TransformerDecoderBlock, TransformerEncoderBlock
 from keras_tfm.dropout import Dropout
 from keras_tfm.embedding import TokenAndPositionEmbedding
@@ -355,9 +355,17 @@ class Seq2SeqParts:
             "source_mask": source_mask,
         }
 
+    def tied_table(self):
+        """The tied logits table variable `(V, d_model)` (`_layer_calls.tied_table`), or None."""
+        if self.output_projection is not None:
+            return None
+        return tied_table(self.decoder_embedding.token_embedding)
+
     def call_with_cache(self, tokens, cache, cache_update_index):
         """Logits `(R, T, V)` of the decoder tokens `(R, T)` at positions `cache_update_index
-        … + T - 1`, and the cache (`initial_cache`) with their keys and values written."""
+        … + T - 1`, and the cache (`initial_cache`) with their keys and values written. A
+        cache entry `"logits_table"` (the tied table transposed, `(d_model, V)`) gives the
+        logits against it."""
         x = call_layer(self.decoder_embedding, tokens, start_index=cache_update_index)
         updated = []
         for block, self_cache, cross in zip(self.decoder_blocks, cache["self"], cache["cross"]):
@@ -366,7 +374,9 @@ class Seq2SeqParts:
             updated.append(self_cache)
         if self.decoder_norm is not None:
             x = call_layer(self.decoder_norm, x)
-        if self.output_projection is None:
+        if "logits_table" in cache:
+            logits = self.decoder_embedding.transposed_logits(x, cache["logits_table"])
+        elif self.output_projection is None:
             logits = call_layer(self.decoder_embedding, x, reverse=True)
         else:
             logits = call_layer(self.output_projection, x)

@@ -128,17 +128,37 @@ def test_language_model_search_equals_the_plain_path(method):
     with rotary positions; a model with padding and one without."""
     lm = build_language_model(40, d_model=32, num_heads=4, ff_dim=64, num_layers=2,
                               num_key_value_heads=2, dropout=0.0)
-    rows = [[5, 6, 7], [8, 9], [10, 11, 12, 13, 14], [3]] * 5  # 20 rows (TensorFlow's XLA)
-    prompts = np.zeros((20, 5), "int32")
-    for i, row in enumerate(rows):
-        prompts[i, :len(row)] = row
-    lengths = np.array([len(row) for row in rows], "int32")
+    rows = PROMPTS * 5  # 20 rows (TensorFlow's XLA)
+    prompts, lengths = padded(rows)
     options, strategy = STRATEGIES[method]
     draws = search_lib.uniforms(3, 20, 5 + 6) if method == "sample" else None
     fast = generate(lm, rows, max_length=6, end_id=None, return_scores=True, **options)
     plain = plain_search(lm, strategy, 6, search_lib.NO_END, 0, prompts, lengths,
                          uniforms=draws)
     assert_same(fast, plain, pad=0, message=method)
+
+
+def test_tied_language_model_search_equals_the_plain_path():
+    """A language model whose logits use its token table, 4 rows: under JAX a search of a few
+    rows (the table passed in transposed), under TensorFlow its graph (a step's logits as
+    `(table · hᵀ)ᵀ`)."""
+    lm = build_language_model(40, d_model=32, num_heads=4, ff_dim=64, num_layers=2,
+                              tie_embeddings=True, dropout=0.0)
+    prompts, lengths = padded(PROMPTS)
+    fast = generate(lm, PROMPTS, max_length=6, end_id=None, return_scores=True)
+    plain = plain_search(lm, search_lib.Greedy(), 6, search_lib.NO_END, 0, prompts, lengths)
+    assert_same(fast, plain, pad=0)
+
+
+PROMPTS = [[5, 6, 7], [8, 9], [10, 11, 12, 13, 14], [3]]
+
+
+def padded(rows):
+    """Right-padded int32 prompts `(len(rows), 5)` and their lengths."""
+    prompts = np.zeros((len(rows), 5), "int32")
+    for i, row in enumerate(rows):
+        prompts[i, :len(row)] = row
+    return prompts, np.array([len(row) for row in rows], "int32")
 
 
 @pytest.mark.parametrize("kind", ["int8", "mixed_bfloat16"])
