@@ -167,7 +167,8 @@ def _contracted_axes(equation):
 def tied_table(layer, embedding=None):
     """The `(V, d)` table variable of a tied logits layer, where its logits are exactly
     `hidden @ tableᵀ`: a plain tied `ReversibleEmbedding` (`layer`), or a plain layer reading
-    the plain `embedding`'s matrix (`TiedLogits`); else None."""
+    the plain `embedding`'s matrix without LoRA (`TiedLogits`); else None."""
     if embedding is None:
         return layer.embeddings if _plain(layer) and _plain_tied(layer) else None
-    return embedding.embeddings if _plain(layer) and _plain(embedding) else None
+    plain = _plain(layer) and _plain(embedding) and not getattr(embedding, "lora_enabled", False)
+    return embedding.embeddings if plain else None

@@ -138,12 +138,18 @@ def test_language_model_search_equals_the_plain_path(method):
     assert_same(fast, plain, pad=0, message=method)
 
 
-def test_tied_language_model_search_equals_the_plain_path():
+@pytest.mark.parametrize("lora", [False, True])
+def test_tied_language_model_search_equals_the_plain_path(lora):
     """A language model whose logits use its token table, 4 rows: under JAX a search of a few
-    rows (the table passed in transposed), under TensorFlow its graph (a step's logits as
-    `(table · hᵀ)ᵀ`)."""
+    rows (the table passed in transposed; with LoRA on the table, the layer's own logits),
+    under TensorFlow its graph (a step's logits as `(table · hᵀ)ᵀ`)."""
     lm = build_language_model(40, d_model=32, num_heads=4, ff_dim=64, num_layers=2,
                               tie_embeddings=True, dropout=0.0)
+    if lora:
+        lm.get_layer("token_embedding").enable_lora(2)
+        for weight in lm.weights:
+            if weight.path.endswith("lora_embeddings_b"):
+                weight.assign(keras.random.normal(weight.shape, seed=4))
     prompts, lengths = padded(PROMPTS)
     fast = generate(lm, PROMPTS, max_length=6, end_id=None, return_scores=True)
     plain = plain_search(lm, search_lib.Greedy(), 6, search_lib.NO_END, 0, prompts, lengths)
