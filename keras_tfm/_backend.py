@@ -52,6 +52,25 @@ def reads_cache_views():
     return _torch()
 
 
+def stacks_caches(rows):
+    """Whether a search of `rows` rows (an int) holds each self-attention cache as one stacked
+    `(B, 2, H, L, d)` array rather than a `(keys, values)` pair: under XLA on the CPU at one
+    row, where a pair's write is computed twice (for the next step, and for the attention,
+    which reads the cache without its unit batch axis) and each cache copied two to four times
+    a step. Elsewhere the pair: a slice of the stacked array is a copy a layer a step."""
+    return xla_cpu() and rows == 1
+
+
+def attention_scores(query, key, heads_first=False):
+    """Scores `(B, H, T, S)` of queries `(B, T, H, d)` against keys `(B, S, H, d)` (`(B, H, S,
+    d)` with `heads_first`: a cache's). Under XLA on the CPU heads-first scores are taken as
+    `keys · queryᵀ`, then swapped: for `query · keysᵀ` at one source row XLA copied the keys
+    transposed, the whole key cache of every layer at every step."""
+    if heads_first and xla_cpu():
+        return ops.swapaxes(ops.einsum("bhsd,bthd->bhst", key, query), -1, -2)
+    return ops.einsum("bthd,bhsd->bhts" if heads_first else "bthd,bshd->bhts", query, key)
+
+
 def filled_part(cache, length):
     """What a step's attention reads of a cache `(B, H, L, d)`: see `reads_cache_views`."""
     if _torch():
@@ -68,8 +87,29 @@ def update_cache(cache, index, update):
         cache.narrow(_POSITIONS, int(index), update.shape[-3]).copy_(update.transpose(-3, -2))
         return cache
     zero = ops.zeros((), "int32")
-    return ops.slice_update(cache, (zero,) * (len(cache.shape) - 2) + (index, zero),
-                            ops.cast(ops.swapaxes(update, -3, -2), cache.dtype))
+    start = (zero,) * (len(cache.shape) - 2) + (ops.cast(index, "int32"), zero)
+    update = ops.cast(ops.swapaxes(update, -3, -2), cache.dtype)
+    if _tensorflow_outside_xla():
+        import tensorflow as tf
+
+        begin = tf.stack(start)
+        return tf.raw_ops.TensorStridedSliceUpdate(input=cache, begin=begin,
+                                                   end=begin + tf.shape(update),
+                                                   strides=tf.ones_like(begin), value=update)
+    return ops.slice_update(cache, start, update)
+
+
+def _tensorflow_outside_xla():
+    """TensorFlow, eager or in a graph that XLA does not compile (generation below 17 rows).
+    There Keras's `slice_update` (tf2xla's `XlaDynamicUpdateSlice`) runs as a one-operation XLA
+    program copying the whole cache at every write; TensorFlow's own strided-slice update
+    writes into the cache when nothing else reads it. (Inside XLA it needs constant indices.)"""
+    if keras.backend.backend() != "tensorflow":
+        return False
+    import tensorflow as tf
+    from tensorflow.python.ops import control_flow_util  # (TensorFlow has no public test)
+
+    return not control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph())
 
 
 def reorder_beams(caches, parent, length):

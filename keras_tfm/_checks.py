@@ -241,6 +241,14 @@ def check_sources(source_tokens, vocab, pad_id):
     return source_tokens
 
 
+def check_real_tokens(lengths, what, pad_id):
+    """Raise a ValueError naming the first row with no real token (`lengths`: real tokens a
+    row; `what`: "source" or "prompt")."""
+    if (lengths == 0).any():
+        raise ValueError(f"Every {what} needs at least one real token; {what} "
+                         f"{int(np.flatnonzero(lengths == 0)[0])} is only padding (id {pad_id}).")
+
+
 def unpadded_prompts(prompts, vocab, fill):
     """Prompts of a model without padding as int32 `(B, P)` (shorter rows filled with `fill`,
     which the search never attends to) and their lengths `(B,)`: rows of a list keep their own

@@ -110,6 +110,12 @@ def tied_logits(hidden, table):
     return ops.matmul(hidden, ops.transpose(table))
 
 
+def logits_against(hidden, transposed):
+    """Tied logits `hidden (B, T, d) @ transposed` against a table given transposed, `(d, V)`
+    (a search's copy, `_backend.transposed_table`): `tied_logits(hidden, table)`'s numbers."""
+    return ops.matmul(hidden, ops.cast(transposed, hidden.dtype))
+
+
 def _tf_step(hidden):
     """TensorFlow, hidden states `(B, 1, d)`: one position a row, a cached step's."""
     return (keras.backend.backend() == "tensorflow" and len(hidden.shape) == 3

@@ -10,8 +10,8 @@ import keras
 from keras import ops
 
 from keras_tfm import masks as masks_lib
-from keras_tfm._backend import (dot_product_attention, filled_part, reads_cache_views,
-                                update_cache)
+from keras_tfm._backend import (attention_scores, dot_product_attention, filled_part,
+                                reads_cache_views, update_cache)
 from keras_tfm._checks import clone_initializer
 from keras_tfm._checks import check_dropout, check_key_value_heads, check_positive_int
 from keras_tfm._checks import check_rank, check_same_batch, with_quantized_dtypes
@@ -91,7 +91,7 @@ def scaled_dot_product_attention(
             # accumulates them (bfloat16 scores doubled the error of a step against float32).
             # A half-precision cache's keys are read as float32 (a copy a step).
             query, key = ops.cast(query, "float32"), ops.cast(key, "float32")
-        scores = ops.einsum(f"bthd,{keys}->bhts", query, key)
+        scores = attention_scores(query, key, heads_first)
         scores = ops.cast(scores, "float32") * scale
         if causal_only:
             mask = masks_lib.causal_mask(ops.shape(query)[1], ops.shape(keys_like)[1])[None, None]

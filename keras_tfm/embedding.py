@@ -9,7 +9,7 @@ from keras_tfm import masks as masks_lib
 from keras_tfm._backend import unfused
 from keras_tfm._checks import (check_positive_int, check_token_id, embed_or_nan,
                                with_quantized_dtypes)
-from keras_tfm._layer_calls import call_layer, tied_logits
+from keras_tfm._layer_calls import call_layer, logits_against, tied_logits
 from keras_tfm.positional import (SINUSOIDAL_LAYOUTS, PositionEmbedding,
                                   SinusoidalPositionalEncoding)
 
@@ -136,7 +136,7 @@ class TokenAndPositionEmbedding(keras.layers.Layer):
     def transposed_logits(self, hidden, table):
         """`call(hidden, reverse=True)` with the token table given transposed, `(d_model, V)`
         (a search's copy, `_backend.transposed_table`): the same logits `(B, T, V)`."""
-        return self._biased(ops.matmul(hidden, ops.cast(table, hidden.dtype)))
+        return self._biased(logits_against(hidden, table))
 
     def _biased(self, logits):
         if self.reverse_bias:

@@ -16,8 +16,8 @@ from keras import ops
 
 from keras_tfm import search as search_lib
 from keras_tfm._backend import transposed_table
-from keras_tfm._checks import (check_lengths, check_search_options, check_sources,
-                               resolve_special_ids, unpadded_prompts)
+from keras_tfm._checks import (check_lengths, check_real_tokens, check_search_options,
+                               check_sources, resolve_special_ids, unpadded_prompts)
 from keras_tfm.models import LanguageModel
 from keras_tfm.seq2seq import Seq2SeqParts
 
@@ -144,10 +144,7 @@ def generate(model, source_tokens, start_id=AUTO, end_id=AUTO, max_length=None, 
             "search draws 2 * beam_size candidates among the non-padding tokens."
         )
     source_tokens = check_sources(source_tokens, parts.encoder_embedding.vocab_size, pad_id)
-    empty = (source_tokens == pad_id).all(axis=1)
-    if empty.any():
-        raise ValueError(f"Every source needs at least one real token; source "
-                         f"{int(np.flatnonzero(empty)[0])} is only padding (id {pad_id}).")
+    check_real_tokens((source_tokens != pad_id).sum(axis=1), "source", pad_id)
     table = parts.encoder_embedding.max_length
     if parts.encoder_embedding.positional == "learned" and source_tokens.shape[1] > table:
         raise ValueError(f"Sources of length {source_tokens.shape[1]} exceed the encoder's "
@@ -289,10 +286,7 @@ def generate_language_model(model, prompts, max_length, end_id=AUTO, pad_id=AUTO
     else:
         prompts = check_sources(prompts, vocab, pad_id)
         lengths = (prompts != pad_id).sum(axis=1).astype("int32")
-    if (lengths == 0).any():
-        row = int(np.flatnonzero(lengths == 0)[0])
-        raise ValueError(f"Every prompt needs at least one real token; prompt {row} is only "
-                         f"padding (id {pad_id}).")
+    check_real_tokens(lengths, "prompt", pad_id)
     prompts = prompts[:, :lengths.max()]
     table = model.get_config()["max_length"] if model.get_config()["positional"] == (
         "learned") else None

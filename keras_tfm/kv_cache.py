@@ -10,6 +10,7 @@ import keras
 from keras import ops
 
 from keras_tfm import masks as masks_lib
+from keras_tfm._backend import stacks_caches
 
 
 def cache_keys_values(cache):
@@ -21,6 +22,13 @@ def cache_keys_values(cache):
         keys, values = cache
         return keys, values
     return cache[:, 0], cache[:, 1]
+
+
+def search_cache(attention, rows, length, dtype=None):
+    """`attention.empty_cache(rows, length, dtype)` in the form a search of `rows` rows holds
+    it: the `(keys, values)` pair, or stacked `(rows, 2, H, L, d)` where `stacks_caches(rows)`."""
+    cache = attention.empty_cache(rows, length, dtype)
+    return ops.stack(cache, 1) if stacks_caches(rows) else cache
 
 
 def cache_spec(cache):

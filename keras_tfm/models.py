@@ -15,10 +15,11 @@ from keras import ops
 from keras_tfm import masks as masks_lib
 from keras_tfm._checks import (check_dropout, check_positive_int, check_special_ids,
                                embed_or_nan, model_dtype_policy)
-from keras_tfm._layer_calls import call_layer, tied_table
+from keras_tfm._layer_calls import call_layer, logits_against, tied_table
 from keras_tfm.blocks import TransformerDecoderBlock, TransformerEncoderBlock
 from keras_tfm.dropout import Dropout
 from keras_tfm.embedding import TiedLogits
+from keras_tfm.kv_cache import search_cache
 from keras_tfm.positional import PositionEmbedding, SinusoidalPositionalEncoding
 from keras_tfm.seq2seq import SPECIAL_ID_NAMES, ConfiguredModel
 
@@ -153,10 +154,10 @@ class LanguageModel(_StackModel):
 
     def initial_cache(self, batch_size, max_length):
         """Empty key/value caches for `call_with_cache`: `{"self": [...]}`, one
-        `self_attention.empty_cache(batch_size, max_length)` pair per decoder block."""
-        return {"self": [block.self_attention.empty_cache(batch_size, max_length,
-                                                          block.compute_dtype)
-                         for block in self._parts[2]]}
+        `self_attention.empty_cache(batch_size, max_length)` pair per decoder block (stacked
+        into one `(1, 2, H, L, d)` array at batch 1 under JAX on the CPU, `search_cache`)."""
+        return {"self": [search_cache(block.self_attention, batch_size, max_length,
+                                      block.compute_dtype) for block in self._parts[2]]}
 
     def call_with_cache(self, tokens, cache, cache_update_index):
         """One cached step: the logits `(B, T, V)` of `tokens (B, T)` at positions
@@ -184,8 +185,7 @@ class LanguageModel(_StackModel):
         if final_norm is not None:
             x = call_layer(final_norm, x)
         if "logits_table" in cache:
-            return ops.matmul(x, ops.cast(cache["logits_table"], x.dtype)), dict(cache,
-                                                                                self=updated)
+            return logits_against(x, cache["logits_table"]), dict(cache, self=updated)
         return call_layer(logits, x), dict(cache, self=updated)
 
     def tied_table(self):

@@ -20,7 +20,7 @@ from keras_tfm._layer_calls import call_layer, tied_table
 from keras_tfm.blocks import TransformerDecoderBlock, TransformerEncoderBlock
 from keras_tfm.dropout import Dropout
 from keras_tfm.embedding import TokenAndPositionEmbedding
-from keras_tfm.kv_cache import cache_keys_values
+from keras_tfm.kv_cache import cache_keys_values, search_cache
 
 SPECIAL_ID_NAMES = ("pad_id", "start_id", "end_id")
 
@@ -348,7 +348,7 @@ class Seq2SeqParts:
         encoder_outputs, source_mask = self.encode(source_tokens, pad_id)
         rows = ops.shape(source_tokens)[0] * beams
         return {
-            "self": [block.self_attention.empty_cache(rows, max_length, block.compute_dtype)
+            "self": [search_cache(block.self_attention, rows, max_length, block.compute_dtype)
                      for block in self.decoder_blocks],
             "cross": [cache_keys_values(block.cross_attention.compute_context_cache(
                 encoder_outputs)) for block in self.decoder_blocks],
